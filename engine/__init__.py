@@ -1,0 +1,47 @@
+"""mlx-dspark engine: lossless speculative decoding on MLX.
+
+The one door for the server, MCP tools and benchmark:
+
+    engine = Engine(model_path)                # loads once; one thread owns MLX
+    ids = engine.render_chat(messages)         # or engine.encode(text)
+    for event in engine.generate(GenerationRequest(ids, max_tokens=256)):
+        ...                                    # PrefillProgress, Tokens, Done
+"""
+
+from .drafter import Draft, Drafter
+from .engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
+from .errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from .events import Done, PrefillProgress, Stats, Tokens
+from .lookup import LookupDrafter
+from .models import REFERENCE_MODEL_DIR, default_model_path
+from .modes import available_modes
+from .platform import describe_platform, ensure_fast_blas
+from .sampling import SamplingParams
+from .target import Target, load_target
+
+__all__ = [
+    "CancelledError",
+    "DEFAULT_MAX_DRAFT",
+    "Done",
+    "Draft",
+    "Drafter",
+    "Engine",
+    "EngineError",
+    "GenerationRequest",
+    "InvalidRequestError",
+    "Job",
+    "LookupDrafter",
+    "ModelLoadError",
+    "PrefillProgress",
+    "PromptTooLongError",
+    "REFERENCE_MODEL_DIR",
+    "SamplingParams",
+    "Stats",
+    "Target",
+    "Tokens",
+    "available_modes",
+    "default_model_path",
+    "describe_platform",
+    "ensure_fast_blas",
+    "load_target",
+]

@@ -1,0 +1,32 @@
+"""Chat messages -> token ids, through the model's own chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import InvalidRequestError
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Apply the tokenizer's chat template (mlx-lm's wrapper) and tokenize."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        # No template: plain concatenation of the contents, the one thing that works with any model.
+        text = "\n".join(str(m.get("content", "")) for m in messages)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **template_kwargs,
+        )
+    except Exception as e:  # jinja errors on messages the template can't render
+        raise InvalidRequestError(f"the model's chat template rejected the messages: {e}") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,35 @@
+"""What every drafter gives the verify loop.
+
+A drafter proposes tokens to follow the committed context; the verify loop checks
+them with one target forward and tells the drafter what was committed. Drafter
+heads that read the target's hidden states name the layers they need in
+`tap_layers`; the loop then hands them those states for the committed positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # The drafter's distribution for each proposed token, (len(tokens), vocab);
+    # None for deterministic drafts (lookup), which speculative sampling treats as one-hot.
+    q: np.ndarray | None = None
+
+
+class Drafter:
+    name = "none"
+    tap_layers: tuple[int, ...] = ()
+
+    def start(self, prompt_ids: list[int]) -> None:
+        """A new generation begins with this prompt (all of it is committed context)."""
+
+    def propose(self, max_len: int) -> Draft:
+        return Draft([])
+
+    def commit(self, tokens: list[int], drafted: int, accepted: int, hidden=None) -> None:
+        """`tokens` were appended to the context; `accepted` of `drafted` draft tokens held."""

@@ -1,0 +1,334 @@
+"""The engine: one thread owns MLX, the model and its caches; requests queue to it.
+
+`Engine.submit` returns a `Job` whose events (prefill progress, committed tokens,
+the end with statistics) are read from any thread; `Job.cancel` stops it between
+prefill chunks or decode rounds.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from .chat import render_chat
+from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
+from .events import Done, PrefillProgress, Stats, Tokens
+from .modes import make_drafter, resolve_mode
+from .sampling import SamplingParams
+from .stops import TextAssembler
+from .target import Target, load_target
+from .verify import Round, prefill, speculative_rounds
+
+DEFAULT_MAX_DRAFT = 32
+DEFAULT_PREFILL_CHUNK = 512
+MAX_ENGINE_CORPUS_DOCS = 64
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    mode: str | None = None  # None: the engine's default
+    max_draft: int | None = None  # None: the engine's default
+    corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from
+
+
+class Job:
+    """One queued generation. Iterate it for events; it ends with `Done` or raises."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.created = time.perf_counter()
+        self._events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, event: Any) -> None:
+        self._events.put(event)
+
+    def next_event(self, timeout: float | None = None) -> Any:
+        """The next event (blocking); raises the engine's error if the job failed."""
+        event = self._events.get(timeout=timeout)
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            event = self.next_event()
+            yield event
+            if isinstance(event, Done):
+                return
+
+    def result(self) -> Done:
+        done = None
+        for event in self:
+            done = event
+        return done
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        mode: str = "auto",
+        max_draft: int = DEFAULT_MAX_DRAFT,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        context_window: int | None = None,
+        dtype: str | None = None,
+    ):
+        from .models import default_model_path
+
+        self.model_path = str(model or default_model_path())
+        self.default_mode = mode
+        self.max_draft = max_draft
+        self.prefill_chunk = prefill_chunk
+        self.corpus: collections.deque[list[int]] = collections.deque(maxlen=MAX_ENGINE_CORPUS_DOCS)
+        self.target: Target | None = None
+        self._work: queue.Queue = queue.Queue()
+        self._closed = False
+        loaded: Future = Future()
+        self._thread = threading.Thread(
+            target=self._serve, args=(loaded, dtype), name="mlx-dspark-engine", daemon=True
+        )
+        self._thread.start()
+        loaded.result()  # re-raises ModelLoadError here, in the caller's thread
+        self.context_window = context_window or self.target.context_window
+        resolve_mode(mode, self.target)  # fail early on an unknown default mode
+
+    # -- public API, callable from any thread ---------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def submit(self, request: GenerationRequest) -> Job:
+        job = Job(request)
+        self._enqueue(lambda: self._run(job), job)
+        return job
+
+    def generate(self, request: GenerationRequest) -> Iterator[Any]:
+        """Submit and iterate; closing the iterator early cancels the job."""
+        job = self.submit(request)
+        try:
+            yield from job
+        finally:
+            job.cancel()
+
+    def call(self, fn: Callable[[Target], Any]) -> Any:
+        """Run fn(target) on the engine thread (MLX work outside a generation) and return its result."""
+        future: Future = Future()
+
+        def work():
+            try:
+                future.set_result(fn(self.target))
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+        self._enqueue(work, future)
+        return future.result()
+
+    def encode(self, text: str) -> list[int]:
+        return self.target.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.target.decode(ids)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
+        return render_chat(self.tokenizer, messages, tools=tools, **kwargs)
+
+    def add_corpus(self, token_ids: list[int]) -> None:
+        """Remember a sequence (a file an agent read, say) for lookup drafting in later requests."""
+        if len(token_ids) > 1:
+            self.corpus.append(list(token_ids))
+
+    def info(self) -> dict:
+        return {
+            "model": self.model_path,
+            "identity": self.target.identity,
+            "dtype": self.target.dtype,
+            "context_window": self.context_window,
+            "mode": self.default_mode,
+            "max_draft": self.max_draft,
+            "corpus_docs": len(self.corpus),
+        }
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._work.put(None)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the engine thread ----------------------------------------------------------
+
+    def _enqueue(self, work: Callable[[], None], owner: Any) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
+        self._work.put(work)
+
+    def _serve(self, loaded: Future, dtype: str | None) -> None:
+        try:
+            self.target = load_target(self.model_path, dtype=dtype)
+        except BaseException as e:
+            loaded.set_exception(e)
+            return
+        loaded.set_result(True)
+        while (work := self._work.get()) is not None:
+            work()
+
+    def _run(self, job: Job) -> None:
+        try:
+            job.emit(self._generate(job))
+        except EngineError as e:
+            job.emit(e)
+        except Exception as e:  # never let one request kill the engine thread
+            job.emit(EngineError(f"generation failed: {type(e).__name__}: {e}"))
+
+    def _generate(self, job: Job) -> Done:
+        req, target = job.request, self.target
+        t0 = time.perf_counter()
+        stats = Stats(queued_s=t0 - job.created)
+        prompt = self._check_prompt(req)
+        req.sampling.validate(target.vocab_size)
+        if req.max_tokens < 0:
+            raise InvalidRequestError("max_tokens must be >= 0")
+        mode = resolve_mode(req.mode or self.default_mode, target)
+        stats.mode, stats.prompt_tokens = mode, len(prompt)
+        max_tokens = min(req.max_tokens, self.context_window - len(prompt))
+        if job.cancelled:
+            raise CancelledError("cancelled before it started")
+
+        cache, cached = self._acquire_cache(prompt)
+        stats.cached_tokens = cached
+        drafter = None if mode == "baseline" else make_drafter(mode, target, [*self.corpus, *req.corpus])
+        if drafter is not None:
+            drafter.start(prompt)
+            if not target.can_rollback(cache):
+                stats.note = "this model's cache can't be rolled back: decoding without drafts"
+
+        to_prefill = prompt[cached:-1]
+        prefill(
+            target,
+            cache,
+            to_prefill,
+            chunk_size=self.prefill_chunk,
+            on_progress=lambda done, total: job.emit(PrefillProgress(cached + done, len(prompt))),
+            cancelled=lambda: job.cancelled,
+            on_hidden=getattr(drafter, "observe_prefill", None),
+            tap_layers=drafter.tap_layers if drafter is not None else (),
+        )
+        stats.prefilled_tokens = len(to_prefill) + 1
+        stats.prefill_s = time.perf_counter() - t0
+
+        if mode == "baseline":
+            rounds = plain_rounds(target, cache, prompt[-1], req.sampling)
+        else:
+            cap = req.max_draft if req.max_draft is not None else self.max_draft
+            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap)
+
+        assembler = TextAssembler(target.tokenizer, req.stop)
+        eos = target.eos_token_ids
+        out: list[int] = []
+        committed = list(prompt)  # every token the target committed, also past a stop
+        finish = "length" if max_tokens <= 0 else None
+        t_decode = time.perf_counter()
+        while finish is None:
+            if job.cancelled:
+                finish = "cancelled"
+                break
+            rnd: Round = next(rounds)
+            committed.extend(rnd.tokens)
+            stats.add_round(rnd.drafted, rnd.accepted)
+            new_ids, text = [], ""
+            for tok in rnd.tokens:
+                if tok in eos:
+                    finish = "stop"
+                    break
+                out.append(tok)
+                new_ids.append(tok)
+                delta, stopped = assembler.add(tok)
+                text += delta
+                if stopped:
+                    finish = "stop_string"
+                    break
+                if len(out) >= max_tokens:
+                    finish = "length"
+                    break
+            if stats.rounds == 1:
+                stats.ttft_s = time.perf_counter() - t0
+            if new_ids or text:
+                job.emit(Tokens(new_ids, text))
+        rounds.close()
+        tail = assembler.finish()
+        if tail:
+            job.emit(Tokens([], tail))
+        now = time.perf_counter()
+        stats.decode_s = now - t_decode
+        stats.wall_s = now - t0
+        stats.generated_tokens = len(out)
+        if not stats.ttft_s:
+            stats.ttft_s = stats.wall_s
+        self._release_cache(committed, cache)
+        return Done(finish, out, assembler.text, stats, stop_string=assembler.stop_string)
+
+    def _check_prompt(self, req: GenerationRequest) -> list[int]:
+        prompt = [int(t) for t in req.prompt_ids]
+        if not prompt:
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            if bos is None:
+                raise InvalidRequestError("the prompt is empty (and this model has no BOS token to start from)")
+            prompt = [bos]
+        vocab = self.target.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.context_window:
+            raise PromptTooLongError(len(prompt), self.context_window)
+        return prompt
+
+    # Prefix-cache hooks: a fresh cache and nothing reused, until a prefix cache is attached.
+    def _acquire_cache(self, prompt: list[int]) -> tuple[list, int]:
+        return self.target.make_cache(), 0
+
+    def _release_cache(self, tokens: list[int], cache: list) -> None:
+        pass
+
+
+def plain_rounds(target: Target, cache: list, last_token: int, sampling: SamplingParams) -> Iterator[Round]:
+    """Plain decoding through mlx-lm's own generate_step: the reference, one token a round."""
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    steps = generate_step(
+        mx.array([last_token], dtype=mx.uint32),
+        target.model,
+        max_tokens=-1,
+        sampler=sampling.mlx_lm_sampler(),
+        prompt_cache=cache,
+    )
+    t = time.perf_counter()
+    for token, _ in steps:
+        now = time.perf_counter()
+        yield Round([int(token)], 0, 0, now - t)
+        t = now

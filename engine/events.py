@@ -1,0 +1,78 @@
+"""What a generation reports, in order: prefill progress, committed tokens, the end."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class PrefillProgress:
+    done: int
+    total: int
+
+
+@dataclass
+class Tokens:
+    token_ids: list[int]
+    text: str  # text delta, stop strings already cut
+
+
+@dataclass
+class Stats:
+    mode: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # rounds whose i-th draft token held
+    drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted an i-th token
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    wall_s: float = 0.0
+    note: str = ""  # e.g. why speculation was turned off
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per target forward during decoding."""
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def add_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        for counts, n in ((self.drafted_by_position, drafted), (self.accepted_by_position, accepted)):
+            if len(counts) < n:
+                counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            mean_accepted=round(self.mean_accepted, 4),
+            acceptance_rate=round(self.acceptance_rate, 4),
+            decode_tok_s=round(self.decode_tok_s, 2),
+        )
+        return d
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" (EOS), "stop_string", "length", "cancelled"
+    token_ids: list[int]
+    text: str
+    stats: Stats
+    stop_string: str | None = None

@@ -1,0 +1,99 @@
+"""The verify loop: one generator for every drafter.
+
+Each round feeds the last committed token plus the draft to the target in one
+forward pass, accepts the longest lossless prefix of the draft (greedy: equal to the
+target's argmax; sampling: speculative-sampling acceptance), commits one more
+token from the target itself, and rolls the KV cache back past what was rejected.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from .drafter import Drafter
+from .errors import CancelledError
+from .sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
+from .target import Target
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # committed this round: accepted draft tokens, then the target's own
+    drafted: int
+    accepted: int
+    seconds: float
+
+
+def prefill(
+    target: Target,
+    cache: list,
+    tokens: list[int],
+    chunk_size: int = 512,
+    on_progress: Callable[[int, int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    on_hidden: Callable | None = None,
+    tap_layers: tuple[int, ...] = (),
+) -> None:
+    """Feed `tokens` into the cache in chunks, reporting progress, cancellable between chunks."""
+    total = len(tokens)
+    for start in range(0, total, chunk_size):
+        if cancelled and cancelled():
+            raise CancelledError("cancelled during prefill")
+        chunk = tokens[start : start + chunk_size]
+        if tap_layers:
+            _, hidden = target.forward_tapped(chunk, cache, tap_layers)
+            on_hidden(hidden)
+        else:
+            target.forward(chunk, cache)
+        mx.eval([c.state for c in cache])
+        if on_progress:
+            on_progress(min(start + chunk_size, total), total)
+
+
+def speculative_rounds(
+    target: Target,
+    cache: list,
+    last_token: int,
+    drafter: Drafter,
+    sampling: SamplingParams,
+    max_draft: int | Callable[[], int],
+    rng: np.random.Generator | None = None,
+) -> Iterator[Round]:
+    """Endless rounds of draft-and-verify; the caller stops iterating when done.
+
+    On entry the cache holds the context minus `last_token`; after every round it
+    holds the context minus the last committed token, which the next round feeds.
+    """
+    rng = rng or np.random.default_rng(sampling.seed)
+    cap = max_draft if callable(max_draft) else (lambda: max_draft)
+    y = last_token
+    while True:
+        t0 = time.perf_counter()
+        # A cache that can't be cut (a full rotating window, recurrent state) can't
+        # take back a rejected draft: decode plainly, which is always correct.
+        k = cap() if target.can_rollback(cache) else 0
+        draft = drafter.propose(k) if k > 0 else None
+        draft_tokens = draft.tokens[:k] if draft else []
+        inputs = [y, *draft_tokens]
+        hidden = None
+        if drafter.tap_layers:
+            logits, hidden = target.forward_tapped(inputs, cache, drafter.tap_layers)
+        else:
+            logits = target.forward(inputs, cache)
+        if sampling.greedy:
+            n, nxt = accept_greedy(logits, draft_tokens)
+        else:
+            q = draft.q[: len(draft_tokens)] if draft is not None and draft.q is not None else None
+            n, nxt = accept_speculative(target_probs(logits, sampling), draft_tokens, q, rng)
+        target.rollback(cache, len(draft_tokens) - n)
+        committed = [*draft_tokens[:n], nxt]
+        drafter.commit(
+            committed, len(draft_tokens), n, hidden=None if hidden is None else hidden[: n + 1]
+        )
+        y = nxt
+        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0)

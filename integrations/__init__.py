@@ -1,0 +1,1 @@
+"""Configuration snippets and hooks for agents and editors."""

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: OpenBLAS on Debian/Ubuntu (MLX's CPU backend
+# is ~30x faster with it), a virtual environment in .venv, the package with test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(uname -s)" = Linux ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] \
+   && [ ! -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ] && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random models (qwen3 and llama) built once per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("MLX_DSPARK_NO_REEXEC", "1")  # tests run in-process; scripts/test.sh preloads BLAS
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+FIXTURES = SHARED / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    from engine import Engine
+
+    engine = Engine(str(tiny_model_dir))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip("../shared/fixtures is absent")
+    return FIXTURES
