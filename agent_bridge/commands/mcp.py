@@ -1,0 +1,45 @@
+"""`mlx-dspark mcp`: the MCP server over stdio, for agents that launch it as a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+from .common import add_engine_args, engine_from_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("mcp", help="MCP server over stdio (tools: rewrite_file, rename_symbol, edit_file, ...)")
+    add_engine_args(p)
+    p.add_argument("--root", default=None, help="workspace root the tools may read and write (default: current directory)")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="generate through a running `mlx-dspark serve` at URL instead of loading the model here")
+    p.add_argument("--api-key", default=None, help="bearer token for --server (default: none needed locally)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent_bridge.cli import CommandError
+    from agent_bridge.mcp_backends import EngineBackend, HTTPBackend
+    from agent_bridge.mcp_server import build_server
+    from agent_bridge.workspace import Workspace, WorkspaceError
+
+    try:
+        workspace = Workspace(args.root)
+    except WorkspaceError as e:
+        raise CommandError(str(e)) from None
+    engine = None
+    if args.server:
+        backend = HTTPBackend(args.server, api_key=args.api_key, model=args.model)
+    else:
+        # stdout is the MCP wire: anything a loader prints must go to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            engine = engine_from_args(args)
+        backend = EngineBackend(engine, mode=args.mode)
+    try:
+        build_server(backend, workspace).run("stdio")
+    finally:
+        if engine is not None:
+            engine.close()
+    return 0

@@ -1,0 +1,171 @@
+"""Where the MCP tools get their text from: the engine in this process, or a running
+`mlx-dspark serve` over its OpenAI chat endpoint (`mlx-dspark mcp --server URL`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+class BackendError(Exception):
+    """Generation failed (server down, bad reply, engine refused): a message for the agent."""
+
+
+@dataclass
+class Generation:
+    text: str
+    finish_reason: str  # "stop", "length", ...
+    stats: dict = field(default_factory=dict)  # tokens, tokens/s, acceptance, mode, ...
+
+
+@dataclass
+class Totals:
+    """What this MCP server has generated so far (for status())."""
+
+    calls: int = 0
+    generated_tokens: int = 0
+    decode_s: float = 0.0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    last: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, stats: dict) -> None:
+        with self.lock:
+            self.calls += 1
+            self.generated_tokens += int(stats.get("generated_tokens") or 0)
+            self.decode_s += float(stats.get("decode_s") or 0.0)
+            self.drafted_tokens += int(stats.get("drafted_tokens") or 0)
+            self.accepted_tokens += int(stats.get("accepted_tokens") or 0)
+            self.last = dict(stats)
+
+    def to_dict(self) -> dict:
+        with self.lock:
+            return {
+                "calls": self.calls,
+                "generated_tokens": self.generated_tokens,
+                "decode_tok_s": round(self.generated_tokens / self.decode_s, 2) if self.decode_s else 0.0,
+                "acceptance_rate": round(self.accepted_tokens / self.drafted_tokens, 4) if self.drafted_tokens else 0.0,
+                "last": self.last,
+            }
+
+
+STAT_KEYS = ("mode", "prompt_tokens", "cached_tokens", "generated_tokens", "rounds", "drafted_tokens",
+             "accepted_tokens", "mean_accepted", "acceptance_rate", "decode_tok_s", "ttft_s", "decode_s", "wall_s")
+
+
+class EngineBackend:
+    """Generates with an in-process `engine.Engine` (public API only)."""
+
+    def __init__(self, engine, mode: str = "auto"):
+        self.engine = engine
+        self.mode = mode
+        self.totals = Totals()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.engine.encode(text))
+
+    def room(self, messages: list[dict]) -> int:
+        """Tokens left for the reply after this prompt."""
+        return self.engine.context_window - len(self.engine.render_chat(messages))
+
+    def generate(self, messages: list[dict], max_tokens: int, temperature: float = 0.0) -> Generation:
+        from engine import EngineError, GenerationRequest, SamplingParams
+
+        try:
+            ids = self.engine.render_chat(messages)
+            request = GenerationRequest(
+                prompt_ids=ids,
+                max_tokens=max(1, min(max_tokens, self.engine.context_window - len(ids))),
+                sampling=SamplingParams(temperature=temperature),
+                mode=self.mode,
+            )
+            done = self.engine.submit(request).result()
+        except EngineError as e:
+            raise BackendError(str(e)) from None
+        d = done.stats.to_dict()
+        stats = {k: d[k] for k in STAT_KEYS if k in d}
+        self.totals.add(stats)
+        return Generation(done.text, done.finish_reason, stats)
+
+    def status(self) -> dict:
+        return {"backend": "in-process", **self.engine.info(), "mcp_totals": self.totals.to_dict()}
+
+
+class HTTPBackend:
+    """Generates through a running server's `/v1/chat/completions` (non-streaming)."""
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = 600.0):
+        import httpx
+
+        self.url = url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        headers = {"Authorization": f"Bearer {api_key or 'local'}"}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self.model = model
+        self.totals = Totals()
+
+    def count_tokens(self, text: str) -> int:
+        return len(text) // 3 + 1  # an estimate: the tokenizer lives in the server
+
+    def room(self, messages: list[dict]) -> int:
+        return 1 << 30  # the server clamps max_tokens to its context window itself
+
+    def _get(self, path: str) -> dict:
+        import httpx
+
+        try:
+            r = self.client.get(path, timeout=10)
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise BackendError(f"server {self.url} did not answer {path}: {e}") from None
+
+    def _model(self) -> str:
+        if self.model is None:
+            data = self._get("/v1/models").get("data") or [{}]
+            self.model = data[0].get("id") or "local"
+        return self.model
+
+    def generate(self, messages: list[dict], max_tokens: int, temperature: float = 0.0) -> Generation:
+        import httpx
+
+        body = {"model": self._model(), "messages": messages, "max_tokens": max_tokens,
+                "temperature": temperature, "stream": False}
+        t0 = time.perf_counter()
+        try:
+            r = self.client.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as e:
+            raise BackendError(f"server {self.url} unreachable: {e}") from None
+        wall = time.perf_counter() - t0
+        try:
+            data = r.json()
+        except ValueError:
+            raise BackendError(f"server {self.url} answered {r.status_code} with non-JSON") from None
+        if r.status_code != 200:
+            err = data.get("error") if isinstance(data, dict) else None
+            msg = err.get("message") if isinstance(err, dict) else str(data)[:500]
+            raise BackendError(f"server {self.url} refused the request ({r.status_code}): {msg}")
+        try:
+            choice = data["choices"][0]
+            text = choice["message"].get("content") or ""
+            finish = choice.get("finish_reason") or "stop"
+        except (KeyError, IndexError, TypeError):
+            raise BackendError(f"server {self.url} sent an unexpected reply: {str(data)[:300]}") from None
+        usage = data.get("usage") or {}
+        # the server may add engine stats to its reply; take what is there
+        extra = data.get("stats") or data.get("x_stats") or usage.get("stats") or {}
+        stats = {k: extra[k] for k in STAT_KEYS if k in extra}
+        stats.setdefault("prompt_tokens", usage.get("prompt_tokens"))
+        stats.setdefault("generated_tokens", usage.get("completion_tokens"))
+        stats.setdefault("wall_s", round(wall, 4))
+        if "decode_tok_s" not in stats and stats.get("generated_tokens") and wall > 0:
+            stats["decode_tok_s"] = round(stats["generated_tokens"] / wall, 2)  # end-to-end, prefill included
+            stats.setdefault("decode_s", wall)
+        self.totals.add(stats)
+        return Generation(text, finish, stats)
+
+    def status(self) -> dict:
+        return {"backend": "http", "server": self.url, **self._get("/health"), "mcp_totals": self.totals.to_dict()}
