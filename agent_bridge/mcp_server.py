@@ -123,8 +123,13 @@ def template_prompt(name: str, workspace: Workspace) -> Prompt:
     return Prompt(name=name, description=f"prompts/{name}.md: {first_line[:120]}", arguments=arguments, fn=render)
 
 
-def system_message() -> dict:
-    return {"role": "system", "content": prompts.render("system").strip()}
+def task_messages(template: str, path: str, text: str, **fields: str) -> list[dict]:
+    """The chat a file tool sends: system.md, then the rendered template (prompts/README.md)."""
+    code = text if text.endswith("\n") else text + "\n"
+    return [
+        {"role": "system", "content": prompts.render("system").strip()},
+        {"role": "user", "content": prompts.render(template, path=path, code=code, **fields)},
+    ]
 
 
 class FileTools:
@@ -208,11 +213,11 @@ class FileTools:
     def _propose(self, template: str, path: str, **fields: str):
         real, text = self._read(path)
         rel = self.workspace.relative(real)
-        code = text if text.endswith("\n") else text + "\n"
-        messages = [system_message(), {"role": "user", "content": prompts.render(template, path=rel, code=code, **fields)}]
-        max_tokens = int(self.backend.count_tokens(code) * 1.25) + REPLY_SLACK_TOKENS
+        messages = task_messages(template, rel, text, **fields)
+        file_tokens = self.backend.count_tokens(text)
+        max_tokens = int(file_tokens * 1.25) + REPLY_SLACK_TOKENS
         room = self.backend.room(messages)
-        if room < self.backend.count_tokens(code):
+        if room < file_tokens:
             raise ToolError(f"{rel}: too long for the local model's context window (only {max(room, 0)} tokens left for the reply)")
         gen = self._generate(messages, min(max_tokens, room))
         try:
