@@ -1,0 +1,113 @@
+"""KV segments: slices of an mlx-lm cache along the token axis, and caches rebuilt from them.
+
+A segment is one list per layer of arrays whose axis 2 is the token axis:
+[keys, values] for KVCache, the six quantised parts (data, scales, biases of keys
+then of values) for QuantizedKVCache. Segments of consecutive token ranges
+concatenate into the cache of the whole range.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+SEQ_AXIS = 2
+KV_BITS = (4, 8)
+
+
+def kv_group_size(config: dict) -> int:
+    """The quantisation group for KV: it must divide the head dimension."""
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 64) // heads)
+    for g in (64, 32):
+        if head_dim % g == 0:
+            return g
+    raise ValueError(f"--kv-bits needs a head dimension divisible by 32 (this model's is {head_dim})")
+
+
+def fresh_cache(target, kv_bits: int | None = None) -> list:
+    """An empty cache for the target; plain KV layers quantised from the start when kv_bits is set
+    (quantising per token, as QuantizedKVCache does, gives the same values however tokens are chunked)."""
+    cache = target.make_cache()
+    if kv_bits:
+        group = kv_group_size(target.config)
+        cache = [QuantizedKVCache(group_size=group, bits=kv_bits) if type(c) is KVCache else c for c in cache]
+    return cache
+
+
+def cache_kind(cache: list) -> str:
+    """"segments": every layer can be cut per token; "checkpoint": only whole states are reusable
+    (sliding windows, recurrent layers) and the cache counts its tokens; "none": neither."""
+    if cache and all(type(c) in (KVCache, QuantizedKVCache) for c in cache):
+        return "segments"
+    if cache_offset(cache) is not None:
+        return "checkpoint"
+    return "none"
+
+
+def cache_offset(cache: list) -> int | None:
+    """Tokens the cache holds, from the first layer that counts them."""
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return None
+
+
+def _layer_arrays(c) -> list[mx.array]:
+    if isinstance(c, QuantizedKVCache):
+        return [*c.keys, *c.values]
+    return [c.keys, c.values]
+
+
+def slice_segment(cache: list, start: int, end: int) -> list[list[mx.array]]:
+    """Copies (not views: a view would pin the whole cache buffer) of tokens [start, end)."""
+    seg = [[mx.contiguous(a[..., start:end, :]) for a in _layer_arrays(c)] for c in cache]
+    mx.eval(seg)
+    return seg
+
+
+def cut_segment(seg: list[list[mx.array]], start: int, end: int) -> list[list[mx.array]]:
+    out = [[mx.contiguous(a[..., start:end, :]) for a in layer] for layer in seg]
+    mx.eval(out)
+    return out
+
+
+def segment_tokens(seg: list[list[mx.array]]) -> int:
+    return seg[0][0].shape[SEQ_AXIS] if seg and seg[0] else 0
+
+
+def segment_nbytes(seg: list[list[mx.array]]) -> int:
+    return sum(a.nbytes for layer in seg for a in layer)
+
+
+def build_cache(cache: list, parts: list[list[list[mx.array]]]) -> list:
+    """Fill the empty `cache` with the concatenation of `parts` (consecutive segments).
+
+    Always new array objects: mlx-lm's caches write into their arrays in place, which
+    must never reach the segments the prefix tree keeps."""
+    n = sum(segment_tokens(p) for p in parts)
+    for i, c in enumerate(cache):
+        arrays = [mx.concatenate([p[i][j] for p in parts], axis=SEQ_AXIS) for j in range(len(parts[0][i]))]
+        if isinstance(c, QuantizedKVCache):
+            half = len(arrays) // 2
+            c.keys, c.values, c.offset = tuple(arrays[:half]), tuple(arrays[half:]), n
+        else:
+            c.state = (arrays[0], arrays[1], n)
+    mx.eval([_layer_arrays(c) for c in cache])
+    return cache
+
+
+def check_segment(seg: list[list[mx.array]], like: list[list[mx.array]] | None, n_tokens: int) -> None:
+    """Raise ValueError unless `seg` holds n_tokens per array, shaped like `like` (when given)."""
+    for layer in seg:
+        for a in layer:
+            if a.ndim != 4 or a.shape[SEQ_AXIS] != n_tokens:
+                raise ValueError(f"array of shape {a.shape} for a segment of {n_tokens} tokens")
+    if like is not None:
+        if len(seg) != len(like) or any(len(a) != len(b) for a, b in zip(seg, like)):
+            raise ValueError("layer layout differs from this model's")
+        for la, lb in zip(seg, like):
+            for a, b in zip(la, lb):
+                if a.dtype != b.dtype or a.shape[:2] != b.shape[:2] or a.shape[3:] != b.shape[3:]:
+                    raise ValueError("array dtype or shape differs from this model's")
