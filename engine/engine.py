@@ -8,6 +8,7 @@ prefill chunks or decode rounds.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -21,7 +22,9 @@ from mlx_lm.generate import generate_step
 from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
+from .kv_segments import KV_BITS, fresh_cache, kv_group_size
 from .modes import make_drafter, resolve_mode
+from .prefix_cache import PrefixCache, cache_identity
 from .sampling import SamplingParams
 from .stops import TextAssembler
 from .target import Target, load_target
@@ -93,8 +96,18 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         context_window: int | None = None,
         dtype: str | None = None,
+        prefix_cache: bool = True,
+        prefix_cache_max_ram_mb: float | None = None,
+        prefix_cache_dir: str | None = None,
+        prefix_cache_max_disk_mb: float | None = None,
+        kv_bits: int | None = None,
     ):
         from .models import default_model_path
+
+        if kv_bits not in (None, *KV_BITS):
+            raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits!r}")
+        self.kv_bits = kv_bits
+        self.prefix_cache: PrefixCache | None = None
 
         self.model_path = str(model or default_model_path())
         self.default_mode = mode
@@ -112,6 +125,17 @@ class Engine:
         loaded.result()  # re-raises ModelLoadError here, in the caller's thread
         self.context_window = context_window or self.target.context_window
         resolve_mode(mode, self.target)  # fail early on an unknown default mode
+        try:
+            if kv_bits:
+                kv_group_size(self.target.config)  # fail early on a head size KV quantisation can't take
+            if prefix_cache:
+                mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731
+                self.prefix_cache = self.call(lambda t: PrefixCache(
+                    self._new_cache, cache_identity(t, kv_bits), mb(prefix_cache_max_ram_mb),
+                    prefix_cache_dir, mb(prefix_cache_max_disk_mb)))
+        except BaseException:
+            self.close()
+            raise
 
     # -- public API, callable from any thread ---------------------------------------
 
@@ -168,10 +192,21 @@ class Engine:
             "mode": self.default_mode,
             "max_draft": self.max_draft,
             "corpus_docs": len(self.corpus),
+            "kv_bits": self.kv_bits,
+            "prefix_cache": self.cache_stats(),
         }
+
+    def cache_stats(self) -> dict | None:
+        """Prefix-cache counters (entries, bytes in RAM and on disk, hits...); None when it's off."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else None
 
     def close(self) -> None:
         if not self._closed:
+            if self.prefix_cache is not None:
+                try:  # the hot segments go to the disk tier, which outlives us
+                    self.call(lambda t: self.prefix_cache.close())
+                except Exception as e:
+                    logging.getLogger(__name__).warning("prefix cache: not saved on close: %s", e)
             self._closed = True
             self._work.put(None)
             self._thread.join(timeout=30)
@@ -308,12 +343,18 @@ class Engine:
             raise PromptTooLongError(len(prompt), self.context_window)
         return prompt
 
-    # Prefix-cache hooks: a fresh cache and nothing reused, until a prefix cache is attached.
+    # Prefix-cache hooks (engine/prefix_cache.py); n_cached <= len(prompt) - 1.
+    def _new_cache(self) -> list:
+        return fresh_cache(self.target, self.kv_bits)
+
     def _acquire_cache(self, prompt: list[int]) -> tuple[list, int]:
-        return self.target.make_cache(), 0
+        if self.prefix_cache is None:
+            return self._new_cache(), 0
+        return self.prefix_cache.acquire(prompt)
 
     def _release_cache(self, tokens: list[int], cache: list) -> None:
-        pass
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(tokens, cache)
 
 
 def plain_rounds(target: Target, cache: list, last_token: int, sampling: SamplingParams) -> Iterator[Round]:
