@@ -12,6 +12,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-draft", default=None, help="cap on draft length per round (default: engine's)")
     g.add_argument("--context-window", type=int, default=None, help="maximum prompt + output tokens")
     g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    c = parser.add_argument_group("prefix cache")
+    c.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
+    c.add_argument("--prefix-cache-max-ram-mb", type=float, default=None,
+                   help="RAM for cached KV (default: min(8 GiB, a quarter of the machine's memory))")
+    c.add_argument("--prefix-cache-dir", default=None, help="keep evicted and, on exit, all cached KV here")
+    c.add_argument("--prefix-cache-max-disk-mb", type=float, default=None,
+                   help="disk cap of --prefix-cache-dir (default: min(16 GiB, a quarter of the free space))")
+    c.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
 
 
 def parse_max_draft(value: str | None) -> int | None:
@@ -29,8 +37,12 @@ def parse_max_draft(value: str | None) -> int | None:
 
 
 def engine_from_args(args: argparse.Namespace):
+    from agent_bridge.cli import CommandError
     from engine import DEFAULT_MAX_DRAFT, Engine
 
+    for flag in ("prefix_cache_max_ram_mb", "prefix_cache_max_disk_mb"):
+        if (getattr(args, flag, None) or 0) < 0:
+            raise CommandError(f"--{flag.replace('_', '-')} must be >= 0")
     max_draft = parse_max_draft(args.max_draft)
     return Engine(
         args.model,
@@ -38,4 +50,9 @@ def engine_from_args(args: argparse.Namespace):
         max_draft=DEFAULT_MAX_DRAFT if max_draft is None else max_draft,
         prefill_chunk=args.prefill_chunk,
         context_window=args.context_window,
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
+        prefix_cache_max_ram_mb=getattr(args, "prefix_cache_max_ram_mb", None),
+        prefix_cache_dir=getattr(args, "prefix_cache_dir", None),
+        prefix_cache_max_disk_mb=getattr(args, "prefix_cache_max_disk_mb", None),
+        kv_bits=getattr(args, "kv_bits", None),
     )
