@@ -25,6 +25,10 @@ class Drafter:
     name = "none"
     tap_layers: tuple[int, ...] = ()
 
+    def set_sampling(self, sampling) -> None:
+        """The request's SamplingParams, before the first round: a drafter that samples its
+        draft reports the distribution it drew from as Draft.q, keeping verification exact."""
+
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation begins with this prompt (all of it is committed context)."""
 

@@ -11,12 +11,15 @@ from typing import Callable
 
 from .drafter import Drafter
 from .errors import InvalidRequestError
+from .heads import auto_mode, head_for, make_head_drafter
 from .lookup import LookupDrafter
 from .target import Target
 
 # mode name -> factory(target, corpus) building a fresh drafter for one generation
 DRAFTER_FACTORIES: dict[str, Callable[[Target, list[list[int]]], Drafter]] = {
     "lookup": lambda target, corpus: LookupDrafter(corpus=corpus),
+    "dflash": lambda target, corpus: make_head_drafter("dflash", target, corpus),
+    "dspark": lambda target, corpus: make_head_drafter("dspark", target, corpus),
 }
 
 
@@ -26,7 +29,8 @@ def available_modes() -> list[str]:
 
 def resolve_mode(mode: str, target: Target) -> str:
     if mode == "auto":
-        return "lookup"
+        # The registered head that measured best for this target (weights present), else lookup.
+        return auto_mode(target) or "lookup"
     if mode != "baseline" and mode not in DRAFTER_FACTORIES:
         raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(available_modes())}")
     return mode
@@ -34,3 +38,14 @@ def resolve_mode(mode: str, target: Target) -> str:
 
 def make_drafter(mode: str, target: Target, corpus: list[list[int]]) -> Drafter:
     return DRAFTER_FACTORIES[mode](target, corpus)
+
+
+def attach_drafter(target: Target, drafter: str | None, bits: int | None = None) -> None:
+    """Use this drafter checkpoint (path or hub id) for the target; load and pair-check it now."""
+    from .heads.registry import entry_for
+
+    target.drafter, target.drafter_bits = drafter, bits
+    target.heads.clear()
+    if drafter:
+        for mode in entry_for(target).heads:
+            head_for(target, mode)

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -35,6 +36,9 @@ class Target:
     path: str
     config: dict = field(default_factory=dict)
     dtype: str = "float32"
+    drafter: str | None = None  # a drafter checkpoint chosen by the user (--drafter), else the registry's
+    drafter_bits: int | None = None  # quantise drafter heads at load (4: 4-bit)
+    heads: dict = field(default_factory=dict, repr=False)  # loaded drafter heads, by mode (engine/heads)
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +66,71 @@ class Target:
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
         return self.model(x[None], cache=cache)[0]
 
+    # -- hidden-state taps (drafter heads read the residual stream) ---------------
+
+    @property
+    def family(self) -> str:
+        """The mlx-lm model module's name (qwen3, llama, gemma2, ...): what forward_tapped keys on."""
+        return type(self.model).__module__.rsplit(".", 1)[-1]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.get("hidden_size") or self.model.model.embed_tokens.weight.shape[-1])
+
+    def check_tappable(self, layers: tuple[int, ...] = ()) -> None:
+        """Raise ValueError unless forward_tapped supports this model and these layer ids."""
+        if self.family not in TAPPABLE_FAMILIES:
+            raise ValueError(
+                f"hidden-state taps are not supported for model type {self.family!r} "
+                f"(supported: {', '.join(sorted(TAPPABLE_FAMILIES))})"
+            )
+        bad = [i for i in layers if not -1 <= int(i) < self.num_layers]
+        if bad:
+            raise ValueError(f"tapped layers {bad} do not exist in this {self.num_layers}-layer model")
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The raw token embeddings (no model-specific scaling): drafter heads reuse them."""
+        return self.model.model.embed_tokens(tokens)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        """The output head on already-normalised states (tied or not, softcapped where the model is)."""
+        if "lm_head" in self.model:
+            out = self.model.lm_head(h)
+        else:
+            out = self.model.model.embed_tokens.as_linear(h)
+        cap = getattr(self.model, "final_logit_softcapping", None)
+        return mx.tanh(out / cap) * cap if cap else out
+
+    def forward_tapped(
+        self, tokens: list[int] | mx.array, cache: list, layers: tuple[int, ...]
+    ) -> tuple[mx.array, mx.array]:
+        """Logits (k, vocab) and the residual stream after each of `layers`, concatenated
+        on the last axis (k, len(layers) * hidden), from the one forward that fills the cache.
+        Layer id -1 is the embedding output. Same maths as the mlx-lm model's own __call__,
+        re-walked here layer by layer so no second pass is needed."""
+        self.check_tappable(layers)
+        x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
+        inner = self.model.model
+        h = inner.embed_tokens(x[None])
+        scale = _EMBED_SCALE[self.family](self.hidden_size)
+        if scale is not None:
+            h = h * scale.astype(h.dtype) if isinstance(scale, mx.array) else h * scale
+        masks = _LAYER_MASKS[self.family](inner, h, cache)
+        want = {int(i): n for n, i in enumerate(layers)}
+        taps: list = [None] * len(layers)
+        if -1 in want:
+            taps[want[-1]] = h
+        for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+            h = layer(h, masks[i], c)
+            if i in want:
+                taps[want[i]] = h
+        logits = self.lm_head(inner.norm(h))
+        return logits[0], mx.concatenate(taps, axis=-1)[0]
+
     @staticmethod
     def can_rollback(cache: list) -> bool:
         return can_trim_prompt_cache(cache)
@@ -79,6 +148,48 @@ class Target:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+
+def _same_mask(return_array: bool = False):
+    def masks(inner, h, cache):
+        return [create_attention_mask(h, cache[0], return_array=return_array)] * len(inner.layers)
+
+    return masks
+
+
+def _llama_masks(inner, h, cache):
+    full = create_attention_mask(h, cache[inner.fa_idx])
+    swa = None
+    if inner.swa_idx is not None:
+        swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
+    return [swa if layer.use_sliding else full for layer in inner.layers]
+
+
+def _gemma3_masks(inner, h, cache):
+    pattern = inner.sliding_window_pattern
+    full = create_attention_mask(h, cache[pattern - 1])
+    local = create_attention_mask(h, cache[0], window_size=inner.window_size) if pattern > 1 else None
+    return [full if i % pattern == pattern - 1 else local for i in range(len(inner.layers))]
+
+
+# Per family: how mlx-lm's model builds its masks and scales its embeddings (mistral loads as llama).
+_LAYER_MASKS = {
+    "llama": _llama_masks,
+    "qwen2": _same_mask(),
+    "qwen3": _same_mask(),
+    "gemma": _same_mask(),
+    "gemma2": _same_mask(return_array=True),
+    "gemma3_text": _gemma3_masks,
+}
+_EMBED_SCALE = {
+    "llama": lambda d: None,
+    "qwen2": lambda d: None,
+    "qwen3": lambda d: None,
+    "gemma": lambda d: d**0.5,
+    "gemma2": lambda d: d**0.5,
+    "gemma3_text": lambda d: mx.array(d**0.5, mx.bfloat16),
+}
+TAPPABLE_FAMILIES = frozenset(_LAYER_MASKS)
 
 
 def load_target(path_or_id: str | Path, dtype: str | None = None) -> Target:

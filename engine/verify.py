@@ -71,6 +71,7 @@ def speculative_rounds(
     """
     rng = rng or np.random.default_rng(sampling.seed)
     cap = max_draft if callable(max_draft) else (lambda: max_draft)
+    drafter.set_sampling(sampling)
     y = last_token
     while True:
         t0 = time.perf_counter()

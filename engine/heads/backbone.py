@@ -1,0 +1,168 @@
+"""The network DFlash and DSpark heads share (their tensor names are the same).
+
+Context features (the target's residual stream after the tapped layers, concatenated)
+are fused by `fc` and normalised by `hidden_norm`; each decoder layer turns them into
+extra keys and values (cached, at the tokens' absolute positions), and the block's
+queries attend non-causally to [context, block]. Qwen3-style layers: q/k RMS norms,
+SwiGLU MLP. The target's embedding and output head are reused, not stored here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+
+@dataclass
+class HeadConfig:
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: causal only in sliding layers (z-lab's rule)
+    # DFlash logit shaping (z-lab dflash_config)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    # DSpark (DeepSpec Qwen3DSparkModel config)
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    confidence_threshold: float = 0.0
+    draft_vocab_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ContextAttention(nn.Module):
+    def __init__(self, cfg: HeadConfig, layer_idx: int):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.scale = hd**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        sliding = cfg.layer_types and cfg.layer_types[layer_idx] == "sliding_attention"
+        self.window = cfg.sliding_window if sliding else None
+        self.causal = bool(sliding) if cfg.is_causal is None else bool(cfg.is_causal)
+
+    def _kv(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return rope(k, offset=offset), v
+
+    def context_kv(self, h_ctx: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+        return self._kv(h_ctx, rope, offset)
+
+    def __call__(self, x: mx.array, ctx: tuple[mx.array, mx.array] | None, rope, offset: int) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = rope(q, offset=offset)
+        k, v = self._kv(x, rope, offset)
+        S = 0
+        if ctx is not None:
+            ck, cv = ctx
+            if self.window is not None and ck.shape[2] > self.window - 1:
+                ck, cv = ck[:, :, -(self.window - 1) :], cv[:, :, -(self.window - 1) :]
+            S = ck.shape[2]
+            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
+        mask = None
+        if self.causal:  # block attends causally within itself, to all context
+            mask = mx.arange(S + L)[None] <= (S + mx.arange(L))[:, None]
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: HeadConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = ContextAttention(cfg, layer_idx)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x, ctx, rope, offset):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, rope, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """fc + hidden_norm + layers + norm: the parameters both published layouts name alike."""
+
+    def __init__(self, cfg: HeadConfig, target_hidden: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        feat = len(cfg.target_layer_ids) * (target_hidden or cfg.hidden_size)
+        self.fc = nn.Linear(feat, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self._rope = initialize_rope(
+            cfg.head_dim,
+            base=cfg.rope_theta,
+            traditional=False,
+            scaling_config=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def context_kv(self, feats: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
+        """Per-layer keys and values for context features (n, taps*hidden) starting at `offset`."""
+        h = self.hidden_norm(self.fc(feats[None]))
+        return [layer.self_attn.context_kv(h, self._rope, offset) for layer in self.layers]
+
+    def __call__(self, x: mx.array, ctx: list | None, offset: int) -> mx.array:
+        """Block embeddings (1, L, hidden) at absolute position `offset` -> normed states."""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, None if ctx is None else ctx[i], self._rope, offset)
+        return self.norm(x)
+
+
+class ContextCache:
+    """Per-layer context keys/values at absolute positions, bounded to the most recent `limit`.
+
+    Features can arrive with gaps (a prefix-cache hit skips prefill of the cached part):
+    each chunk keeps its own absolute positions, so the head sees a recent window."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.kv: list[tuple[mx.array, mx.array]] | None = None
+
+    def add(self, new: list[tuple[mx.array, mx.array]]) -> None:
+        if self.kv is None:
+            self.kv = new
+        else:
+            self.kv = [
+                (mx.concatenate([k, nk], axis=2), mx.concatenate([v, nv], axis=2))
+                for (k, v), (nk, nv) in zip(self.kv, new)
+            ]
+        if self.limit and self.kv[0][0].shape[2] > self.limit:
+            self.kv = [(k[:, :, -self.limit :], v[:, :, -self.limit :]) for k, v in self.kv]
+
+    def __len__(self) -> int:
+        return 0 if self.kv is None else int(self.kv[0][0].shape[2])

@@ -1,0 +1,100 @@
+"""The Drafter that runs a DFlash or DSpark head inside the shared verify loop.
+
+Context features arrive from the target's own forwards: prefill chunks through
+`observe_prefill` (only the part that was not served from the prefix cache: the head
+then sees a recent window) and, each round, the states of the tokens that entered the
+cache through `commit`. They are turned into the head's per-layer keys and values
+lazily, at the next head draft. A long lookup match replaces the head's draft for that
+round, so copy-heavy turns keep lookup's speed.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafter import Draft, Drafter
+from ..lookup import LookupDrafter
+from ..sampling import SamplingParams
+from .backbone import ContextCache
+
+DEFAULT_CONTEXT_LIMIT = 4096  # most recent context positions the head attends to
+LOOKUP_OVERRIDE = 8  # lookup's draft replaces the head's when it is this long and fills the cap
+# (or reaches 16: lookup drafts 16+ tokens only for a verbatim match of 8+ tokens)
+
+
+class HeadDrafter(Drafter):
+    def __init__(self, head, target, corpus: list[list[int]] | None = None,
+                 lookup_override: bool = True, context_limit: int | None = DEFAULT_CONTEXT_LIMIT):
+        self.head, self.target = head, target
+        self.name = head.kind
+        self.tap_layers = tuple(head.cfg.target_layer_ids)
+        self.lookup = LookupDrafter(corpus=corpus) if lookup_override else None
+        self.context_limit = context_limit
+        self.sampling = SamplingParams()
+        self.rng = np.random.default_rng()
+        self.start([])
+
+    def set_sampling(self, sampling: SamplingParams) -> None:
+        """Draw drafts from the head's own distribution at the request's settings (q stays exact)."""
+        self.sampling = sampling
+        self.rng = np.random.default_rng(None if sampling.seed is None else [sampling.seed, 0x6472])
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.tokens = list(prompt_ids)
+        self.prompt_len = len(self.tokens)
+        self.ctx = ContextCache(self.context_limit)
+        self.prefill_chunks: list[mx.array] = []
+        self.pending: list[tuple[mx.array, int]] = []  # (features, absolute position of the first row)
+        self.source = None
+        if self.lookup is not None:
+            self.lookup.start(prompt_ids)
+
+    def observe_prefill(self, hidden: mx.array) -> None:
+        self.prefill_chunks.append(hidden)
+
+    def commit(self, tokens: list[int], drafted: int, accepted: int, hidden=None) -> None:
+        self._place_prefill()
+        if hidden is not None and hidden.shape[0]:
+            self.pending.append((hidden, len(self.tokens) - 1))  # from the old anchor on
+        self.tokens.extend(tokens)
+        if self.lookup is not None:
+            mine = self.source == "lookup"
+            self.lookup.commit(tokens, drafted if mine else 0, accepted if mine else 0)
+
+    def propose(self, max_len: int) -> Draft:
+        self.source = None
+        if max_len <= 0 or not self.tokens:
+            return Draft([])
+        if self.lookup is not None:
+            found = self.lookup.propose(max_len)
+            n = len(found.tokens)
+            if n >= LOOKUP_OVERRIDE and n >= min(max_len, 2 * LOOKUP_OVERRIDE):
+                self.source = "lookup"
+                return found
+        self._flush()
+        position = len(self.tokens) - 1  # the anchor's: every earlier token is in the target's cache
+        tokens, q = self.head.draft(self.target, self.tokens[-1], self.ctx.kv, position, max_len,
+                                    self.sampling, self.rng)
+        self.source = "head"
+        return Draft(tokens, q)
+
+    def _place_prefill(self) -> None:
+        # Prefill chunks are contiguous and end just before the prompt's last token.
+        if self.prefill_chunks:
+            start = self.prompt_len - 1 - sum(int(c.shape[0]) for c in self.prefill_chunks)
+            for c in self.prefill_chunks:
+                self.pending.append((c, start))
+                start += int(c.shape[0])
+            self.prefill_chunks = []
+
+    def _flush(self) -> None:
+        self._place_prefill()
+        if not self.pending:
+            return
+        oldest = len(self.tokens) - 1 - (self.context_limit or 1 << 62)
+        for feats, pos in self.pending:
+            skip = max(0, oldest - pos)  # rows older than the window would be dropped anyway
+            if skip < feats.shape[0]:
+                self.ctx.add(self.head.context_kv(feats[skip:], pos + skip))
+        self.pending = []
