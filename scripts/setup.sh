@@ -11,3 +11,7 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
+# The real Claude Code CLI for the integration tests (tests skip without npm).
+if command -v npm >/dev/null && [ ! -x .node/node_modules/.bin/claude ]; then
+  npm install --prefix .node --silent --no-audit --no-fund @anthropic-ai/claude-code >/dev/null
+fi
