@@ -23,7 +23,7 @@ from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
-from .modes import make_drafter, resolve_mode
+from .modes import attach_drafter, make_drafter, resolve_mode
 from .prefix_cache import PrefixCache, cache_identity
 from .sampling import SamplingParams
 from .stops import TextAssembler
@@ -101,6 +101,8 @@ class Engine:
         prefix_cache_dir: str | None = None,
         prefix_cache_max_disk_mb: float | None = None,
         kv_bits: int | None = None,
+        drafter: str | None = None,
+        drafter_bits: int | None = None,
     ):
         from .models import default_model_path
 
@@ -124,6 +126,12 @@ class Engine:
         self._thread.start()
         loaded.result()  # re-raises ModelLoadError here, in the caller's thread
         self.context_window = context_window or self.target.context_window
+        if drafter or drafter_bits:  # a head checkpoint given by the user: load and pair it now
+            try:
+                self.call(lambda t: attach_drafter(t, drafter, drafter_bits))
+            except BaseException:
+                self.close()
+                raise
         resolve_mode(mode, self.target)  # fail early on an unknown default mode
         try:
             if kv_bits:
