@@ -12,6 +12,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-draft", default=None, help="cap on draft length per round (default: engine's)")
     g.add_argument("--context-window", type=int, default=None, help="maximum prompt + output tokens")
     g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    g.add_argument("--drafter", default=None, metavar="PATH_OR_ID",
+                   help="a DFlash or DSpark head checkpoint for this model (checked against it at start)")
+    g.add_argument("--drafter-bits", type=int, choices=[4, 8], default=None, help="quantise drafter heads at load")
     c = parser.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
     c.add_argument("--prefix-cache-max-ram-mb", type=float, default=None,
@@ -55,4 +58,6 @@ def engine_from_args(args: argparse.Namespace):
         prefix_cache_dir=getattr(args, "prefix_cache_dir", None),
         prefix_cache_max_disk_mb=getattr(args, "prefix_cache_max_disk_mb", None),
         kv_bits=getattr(args, "kv_bits", None),
+        drafter=getattr(args, "drafter", None),
+        drafter_bits=getattr(args, "drafter_bits", None),
     )
