@@ -14,7 +14,10 @@ import sys
 COMMANDS = {
     "generate": "generate",
     "doctor": "doctor",
+    "serve": "serve",
     "mcp": "mcp",
+    "benchmark": "benchmark",
+    "tune": "tune",
 }
 
 
@@ -56,4 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the package so that CommandError has one identity (`python -m agent_bridge`).
+    from agent_bridge.cli import main as package_main
+
+    sys.exit(package_main())

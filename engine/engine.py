@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from .autotune import draft_controller
 from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
@@ -119,6 +120,7 @@ class Engine:
         self.target: Target | None = None
         self._work: queue.Queue = queue.Queue()
         self._closed = False
+        self._stopped = threading.Event()
         loaded: Future = Future()
         self._thread = threading.Thread(
             target=self._serve, args=(loaded, dtype), name="mlx-dspark-engine", daemon=True
@@ -217,7 +219,7 @@ class Engine:
                     logging.getLogger(__name__).warning("prefix cache: not saved on close: %s", e)
             self._closed = True
             self._work.put(None)
-            self._thread.join(timeout=30)
+            self._stopped.wait(timeout=60)
 
     def __enter__(self) -> "Engine":
         return self
@@ -241,6 +243,12 @@ class Engine:
         loaded.set_result(True)
         while (work := self._work.get()) is not None:
             work()
+        self.target = None
+        self._stopped.set()
+        # Park instead of returning: an MLX worker thread that exits after loading a
+        # model makes the process abort at exit ("terminate called without an active
+        # exception"). A parked daemon thread holds nothing and ends with the process.
+        threading.Event().wait()
 
     def _run(self, job: Job) -> None:
         try:
@@ -286,10 +294,13 @@ class Engine:
         stats.prefilled_tokens = len(to_prefill) + 1
         stats.prefill_s = time.perf_counter() - t0
 
+        controller = None
         if mode == "baseline":
             rounds = plain_rounds(target, cache, prompt[-1], req.sampling)
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
+            if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
+                cap = controller = draft_controller(target, len(prompt))
             rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap)
 
         assembler = TextAssembler(target.tokenizer, req.stop)
@@ -305,6 +316,8 @@ class Engine:
             rnd: Round = next(rounds)
             committed.extend(rnd.tokens)
             stats.add_round(rnd.drafted, rnd.accepted)
+            if controller is not None:
+                controller.observe(rnd.drafted, rnd.accepted)
             new_ids, text = [], ""
             for tok in rnd.tokens:
                 if tok in eos:
@@ -365,6 +378,15 @@ class Engine:
             self.prefix_cache.release(tokens, cache)
 
 
+def engine_stream():
+    """The stream mlx-lm's generators must use on the engine thread.
+
+    mlx-lm's default `generation_stream` is thread-local; created on a worker thread
+    it aborts the process at exit ("terminate called without an active exception").
+    """
+    return mx.default_stream(mx.default_device())
+
+
 def plain_rounds(target: Target, cache: list, last_token: int, sampling: SamplingParams) -> Iterator[Round]:
     """Plain decoding through mlx-lm's own generate_step: the reference, one token a round."""
     if sampling.seed is not None:
@@ -375,9 +397,13 @@ def plain_rounds(target: Target, cache: list, last_token: int, sampling: Samplin
         max_tokens=-1,
         sampler=sampling.mlx_lm_sampler(),
         prompt_cache=cache,
+        stream=engine_stream(),
     )
     t = time.perf_counter()
-    for token, _ in steps:
-        now = time.perf_counter()
-        yield Round([int(token)], 0, 0, now - t)
-        t = now
+    try:
+        for token, _ in steps:
+            now = time.perf_counter()
+            yield Round([int(token)], 0, 0, now - t)
+            t = now
+    finally:
+        steps.close()

@@ -1,0 +1,5 @@
+import sys
+
+from agent_bridge.cli import main
+
+sys.exit(main())
