@@ -274,6 +274,7 @@ class Engine:
 
         cache, cached = self._acquire_cache(prompt)
         stats.cached_tokens = cached
+        job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
         drafter = None if mode == "baseline" else make_drafter(mode, target, [*self.corpus, *req.corpus])
         if drafter is not None:
             drafter.start(prompt)
