@@ -8,6 +8,24 @@ The one door for the server, MCP tools and benchmark:
         ...                                    # PrefillProgress, Tokens, Done
 """
 
+from .autotune import (
+    CostCurve,
+    DraftController,
+    best_draft_cap,
+    cache_dir,
+    curve_for_requests,
+    curve_key,
+    load_cost_curve,
+    machine_report,
+    measure_bandwidth,
+    roofline,
+    tune,
+)
+from .benchmark import CONTENTS as BENCH_CONTENTS
+from .benchmark import Content as BenchContent
+from .benchmark import build_content as build_bench_content
+from .benchmark import format_table as format_bench_table
+from .benchmark import run_benchmark, run_nonce
 from .drafter import Draft, Drafter
 from .engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
 from .errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
@@ -20,6 +38,23 @@ from .sampling import SamplingParams
 from .target import Target, load_target
 
 __all__ = [
+    "BENCH_CONTENTS",
+    "BenchContent",
+    "CostCurve",
+    "DraftController",
+    "best_draft_cap",
+    "build_bench_content",
+    "cache_dir",
+    "curve_for_requests",
+    "curve_key",
+    "format_bench_table",
+    "load_cost_curve",
+    "machine_report",
+    "measure_bandwidth",
+    "roofline",
+    "run_benchmark",
+    "run_nonce",
+    "tune",
     "CancelledError",
     "DEFAULT_MAX_DRAFT",
     "Done",

@@ -9,7 +9,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and decoding")
     g.add_argument("--model", help="mlx-lm model directory or hub id (default: the bundled reference model)")
     g.add_argument("--mode", default="auto", help="auto, baseline, lookup, or a drafter mode (default: auto)")
-    g.add_argument("--max-draft", default=None, help="cap on draft length per round (default: engine's)")
+    g.add_argument("--max-draft", default=None, help="cap on draft length per round, or 'auto' (default: engine's)")
     g.add_argument("--context-window", type=int, default=None, help="maximum prompt + output tokens")
     g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
     g.add_argument("--drafter", default=None, metavar="PATH_OR_ID",
@@ -25,15 +25,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
 
 
-def parse_max_draft(value: str | None) -> int | None:
+def parse_max_draft(value: str | None) -> int | str | None:
     from agent_bridge.cli import CommandError
 
     if value is None:
         return None
+    if value == "auto":  # adapt per round from the measured cost curve (engine/autotune.py)
+        return "auto"
     try:
         n = int(value)
     except ValueError:
-        raise CommandError(f"--max-draft must be a whole number, not {value!r}") from None
+        raise CommandError(f"--max-draft must be a whole number or 'auto', not {value!r}") from None
     if n < 0:
         raise CommandError("--max-draft must be >= 0")
     return n

@@ -1,0 +1,133 @@
+"""`mlx-dspark benchmark`: speedups measured side by side with plain mlx-lm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+AGENT_SESSION = Path(__file__).resolve().parents[2].parent / "shared/fixtures/claude-code/rename-session.jsonl"
+# engine.benchmark's names, repeated here so that building the parser doesn't import MLX
+CONTENTS = ("chat", "code", "math", "refactor", "edit", "agent", "long")
+DEFAULT_CONTENTS = ("chat", "code", "math", "refactor", "edit", "agent")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("benchmark", help="measure speedups against plain mlx-lm on this machine")
+    p.add_argument("--model", help="mlx-lm model directory or hub id (default: the bundled reference model)")
+    p.add_argument("--contents", default=",".join(DEFAULT_CONTENTS),
+                   help=f"comma-separated, from {','.join(CONTENTS)} (default: %(default)s)")
+    p.add_argument("--modes", default="lookup", help="comma-separated decoding modes (default: lookup)")
+    p.add_argument("--max-draft", default="auto", help="draft cap per round, a number or 'auto' (default: auto)")
+    p.add_argument("--trials", type=int, default=3, help="runs per content and mode; medians are reported")
+    p.add_argument("--max-tokens", type=int, default=None, help="override every content's output budget")
+    p.add_argument("--long-depths", default="16384,32768", help="context sizes for `long` (tokens)")
+    p.add_argument("--agent-session", default=str(AGENT_SESSION),
+                   help="recorded Claude Code session (JSONL of /v1/messages requests) for `agent`")
+    p.add_argument("--no-tune", action="store_true",
+                   help="don't measure the verify cost curve first when it isn't cached")
+    p.add_argument("--json", action="store_true", help="print every figure as one JSON object")
+    p.set_defaults(run=run)
+
+
+def _progress(msg: str) -> None:
+    print(f"\r\033[K[{time.strftime('%H:%M:%S')}] {msg}", end="", file=sys.stderr, flush=True)
+
+
+def agent_turns(engine, path: Path, nonce: str) -> list[list[int]]:
+    """Each recorded request rendered as the server renders it, the run's nonce leading the
+    system prompt so that the first turn is cold in every cache (RAM or disk)."""
+    from agent_bridge.anthropic_api import parse_request
+    from agent_bridge.chat_request import render
+
+    turns = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        body = json.loads(line).get("body") or {}
+        req = parse_request(body, default_max_tokens=1)
+        if req.messages and req.messages[0]["role"] == "system":
+            req.messages[0] = {**req.messages[0], "content": f"[run {nonce}]\n" + req.messages[0]["content"]}
+        else:
+            req.messages.insert(0, {"role": "system", "content": f"[run {nonce}]"})
+        turns.append(render(engine, req))
+    return turns
+
+
+def build_contents(engine, args: argparse.Namespace, names: list[str]) -> list:
+    from agent_bridge.cli import CommandError
+    from engine import BenchContent, build_bench_content, run_nonce
+
+    contents = []
+    for name in names:
+        if name == "agent":
+            path = Path(args.agent_session)
+            if not path.is_file():
+                print(f"mlx-dspark: skipping `agent`: no recorded session at {path}", file=sys.stderr)
+                continue
+            turns = agent_turns(engine, path, run_nonce())
+            contents.append(BenchContent("agent", turns, 8, kind="agent", note=f"{path.name}, {len(turns)} turns"))
+        elif name == "long":
+            for depth in _ints(args.long_depths, "--long-depths"):
+                if depth + 256 > engine.context_window:
+                    depth = engine.context_window - 256
+                contents.append(build_bench_content(engine, "long", long_depth=depth))
+        else:
+            contents.append(build_bench_content(engine, name))
+    if args.max_tokens is not None:
+        if args.max_tokens < 1:
+            raise CommandError("--max-tokens must be >= 1")
+        for c in contents:
+            c.max_tokens = args.max_tokens if c.kind != "agent" else c.max_tokens
+    return contents
+
+
+def _ints(value: str, flag: str) -> list[int]:
+    from agent_bridge.cli import CommandError
+
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise CommandError(f"{flag} takes comma-separated whole numbers, not {value!r}") from None
+
+
+def _names(value: str, allowed, flag: str) -> list[str]:
+    from agent_bridge.cli import CommandError
+
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise CommandError(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(allowed)}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent_bridge.cli import CommandError
+    from engine import BENCH_CONTENTS, Engine, available_modes, format_bench_table, run_benchmark, tune
+
+    from .common import parse_max_draft
+
+    names = _names(args.contents, BENCH_CONTENTS, "--contents")
+    modes = _names(args.modes, [m for m in available_modes() if m not in ("auto",)], "--modes")
+    max_draft = parse_max_draft(args.max_draft)
+    if args.trials < 1:
+        raise CommandError("--trials must be >= 1")
+    with Engine(args.model, max_draft=max_draft) as engine:
+        if max_draft == "auto" and not args.no_tune:
+            _progress("verify cost curve: cached or measuring (once per machine and model)")
+            engine.call(lambda target: tune(target, on_progress=lambda what, i, n: _progress(
+                f"measuring verify cost curve: {what} ({i}/{n})")))
+        contents = build_contents(engine, args, names)
+        report = run_benchmark(engine, contents, modes=modes, max_draft=max_draft, trials=args.trials,
+                               progress=_progress)
+    print("\r\033[K", end="", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    m = report["machine"]
+    print(f"model {report['model']['model']} ({report['model']['dtype']}); {m['os']}, {m['device_name']}, "
+          f"MLX {m['mlx']}; max draft {args.max_draft}, {args.trials} trials, medians")
+    print(format_bench_table(report))
+    return 0

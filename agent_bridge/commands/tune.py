@@ -1,0 +1,65 @@
+"""`mlx-dspark tune`: measure (or show) the verify cost curve that `--max-draft auto` uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="measure this machine's verify cost curve for a model (cached)")
+    p.add_argument("--model", help="mlx-lm model directory or hub id (default: the bundled reference model)")
+    p.add_argument("--refresh", action="store_true", help="measure again even if a curve is cached")
+    p.add_argument("--depths", default=None, help="context depths to measure at (default: 256,2048,8192)")
+    p.add_argument("--repeats", type=int, default=None, help="timed passes per width (median; default 3)")
+    p.add_argument("--acceptance", type=float, default=0.8,
+                   help="per-token acceptance to pick a static draft cap for (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the curve as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent_bridge.cli import CommandError
+    from engine import Engine, best_draft_cap, curve_key, load_cost_curve, tune
+
+    kwargs = {}
+    if args.depths:
+        try:
+            kwargs["depths"] = [int(d) for d in args.depths.split(",") if d.strip()]
+        except ValueError:
+            raise CommandError(f"--depths takes comma-separated whole numbers, not {args.depths!r}") from None
+        if not kwargs["depths"] or min(kwargs["depths"]) < 0:
+            raise CommandError("--depths needs at least one depth >= 0")
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise CommandError("--repeats must be >= 1")
+        kwargs["repeats"] = args.repeats
+    if not 0.0 <= args.acceptance <= 1.0:
+        raise CommandError("--acceptance must be between 0 and 1")
+
+    def progress(what: str, i: int, n: int) -> None:
+        print(f"\r\033[K[{time.strftime('%H:%M:%S')}] measuring {what} ({i}/{n})", end="", file=sys.stderr, flush=True)
+
+    with Engine(args.model) as engine:
+        cached = engine.call(lambda t: load_cost_curve(curve_key(t)))
+        curve = engine.call(lambda t: tune(t, refresh=args.refresh, on_progress=progress, **kwargs))
+    print("\r\033[K", end="", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(curve.to_dict(), indent=1))
+        return 0
+    fresh = cached is None or args.refresh
+    print(f"verify cost curve for {engine.model_path} ({'measured now' if fresh else 'cached'}, "
+          f"{curve.measured_at}, {curve.measure_s:.0f}s to measure)")
+    print(f"device {curve.key.get('device')}, MLX {curve.key.get('mlx')}, dtype {curve.key.get('dtype')}")
+    widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= curve.widths[-1]]
+    print("depth   " + "".join(f"{'w' + str(w):>8}" for w in widths) + "   best perfect-drafter speedup")
+    for depth in curve.depths:
+        w, s = curve.best_perfect_speedup(depth)
+        cells = "".join(f"{curve.relative(x, depth):8.2f}" for x in widths)
+        print(f"{depth:<8}{cells}   {s:.2f}x at width {w}  (width 1 = {curve.step_seconds(1, depth) * 1e3:.1f} ms)")
+    cap, gain = best_draft_cap(curve, args.acceptance, depth=curve.depths[0])
+    print(f"static draft cap for acceptance {args.acceptance:.2f}: {cap} (expected {gain:.2f}x); "
+          "--max-draft auto adapts it per round")
+    return 0

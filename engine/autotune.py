@@ -1,0 +1,477 @@
+"""Auto-tune: what a verify pass of width k costs here, and how long a draft pays.
+
+A verify pass over k tokens costs cost(k) times a plain one-token step; a draft of
+k tokens accepted with per-token probability a commits (1 - a^(k+1)) / (1 - a)
+tokens in that pass. The draft cap maximising their ratio depends on the machine
+(BLAS, GPU, memory bandwidth), the model, its dtype/quantisation and the KV cache's
+bits, so the curve is measured once per such key and cached as JSON under the
+user's cache directory. `DraftController` applies it per round for
+`--max-draft auto`: smoothed acceptance, hysteresis, drafting off where it doesn't
+pay, and a probe now and then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+CURVE_FORMAT = 1
+MAX_WIDTH = 64
+DEFAULT_WIDTHS = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64)
+DEFAULT_DEPTHS = (256, 2048, 8192)
+DEFAULT_REPEATS = 3
+# Without a measurement, assume each extra token in a verify pass costs 15% of a
+# one-token step (a small model on a CPU); a large model or a GPU is cheaper.
+DEFAULT_MARGINAL_COST = 0.15
+
+
+# -- where curves live --------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """$MLX_DSPARK_CACHE_DIR, else $XDG_CACHE_HOME/mlx-dspark, else ~/.cache/mlx-dspark."""
+    if os.environ.get("MLX_DSPARK_CACHE_DIR"):
+        return Path(os.environ["MLX_DSPARK_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "mlx-dspark"
+
+
+def device_name() -> str:
+    """The compute device in words; on CPU the BLAS too (it changes matmul speed 30x)."""
+    import mlx.core as mx
+
+    from .platform import loaded_blas
+
+    try:
+        name = mx.device_info().get("device_name", "")
+    except Exception:  # older MLX
+        name = ""
+    if mx.default_device().type == mx.cpu:
+        return f"cpu:{name or platform.processor() or platform.machine()}:{os.cpu_count()} cores:{loaded_blas()}"
+    return f"gpu:{name or platform.machine()}"
+
+
+def curve_key(target, kv_bits: int | None = None, **overrides) -> dict:
+    """What a cost curve depends on. `overrides` replace fields (tests, other devices)."""
+    import mlx.core as mx
+
+    key = {
+        "format": CURVE_FORMAT,
+        "device": device_name(),
+        "mlx": mx.__version__,
+        "model": target.identity,
+        "dtype": target.dtype,
+        "quantization": target.config.get("quantization") or None,
+        "kv_bits": kv_bits,
+    }
+    key.update(overrides)
+    return key
+
+
+def curve_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"cost-curve-{digest}.json"
+
+
+# -- the curve ------------------------------------------------------------------------
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one verify forward, per context depth (rows) and width (columns)."""
+
+    widths: list[int]
+    depths: list[int]
+    seconds: list[list[float]]
+    key: dict = field(default_factory=dict)
+    measured: bool = True  # False: the conservative default, not this machine's numbers
+    measured_at: str = ""
+    measure_s: float = 0.0
+
+    @classmethod
+    def default(cls, key: dict | None = None) -> "CostCurve":
+        widths = list(range(1, MAX_WIDTH + 1))
+        row = [1.0 + DEFAULT_MARGINAL_COST * (w - 1) for w in widths]
+        return cls(widths, [0], [row], key=dict(key or {}), measured=False)
+
+    def _row_at(self, depth: int) -> list[float]:
+        """Seconds per width at `depth`, linear between measured depths, clamped outside."""
+        d = self.depths
+        if depth <= d[0]:
+            return self.seconds[0]
+        for i in range(1, len(d)):
+            if depth <= d[i]:
+                t = (depth - d[i - 1]) / (d[i] - d[i - 1])
+                return [a + t * (b - a) for a, b in zip(self.seconds[i - 1], self.seconds[i])]
+        return self.seconds[-1]
+
+    def step_seconds(self, width: int, depth: int) -> float:
+        """Interpolated seconds of a forward over `width` tokens at `depth` tokens of context."""
+        row, ws = self._row_at(depth), self.widths
+        width = max(ws[0], min(width, ws[-1]))
+        for i in range(1, len(ws)):
+            if width <= ws[i]:
+                t = (width - ws[i - 1]) / (ws[i] - ws[i - 1])
+                return row[i - 1] + t * (row[i] - row[i - 1])
+        return row[0]
+
+    def relative(self, width: int, depth: int) -> float:
+        """cost(width) / cost(1) at this depth."""
+        return self.step_seconds(width, depth) / self.step_seconds(1, depth)
+
+    def costs(self, depth: int, max_width: int = MAX_WIDTH) -> list[float]:
+        """[cost(1), cost(2), ... cost(max_width)] relative to width 1 at `depth`."""
+        return [self.relative(w, depth) for w in range(1, max_width + 1)]
+
+    def best_perfect_speedup(self, depth: int, max_width: int = MAX_WIDTH) -> tuple[int, float]:
+        """(width, (width)/cost(width)): the most a drafter that is always right could gain."""
+        costs = self.costs(depth, max_width)
+        return max(((w, w / c) for w, c in zip(range(1, max_width + 1), costs)), key=lambda x: x[1])
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "widths": self.widths,
+            "depths": self.depths,
+            "seconds": self.seconds,
+            "measured": self.measured,
+            "measured_at": self.measured_at,
+            "measure_s": self.measure_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostCurve":
+        return cls(
+            widths=[int(w) for w in d["widths"]],
+            depths=[int(x) for x in d["depths"]],
+            seconds=[[float(s) for s in row] for row in d["seconds"]],
+            key=dict(d.get("key") or {}),
+            measured=bool(d.get("measured", True)),
+            measured_at=str(d.get("measured_at", "")),
+            measure_s=float(d.get("measure_s", 0.0)),
+        )
+
+
+# -- expected throughput ---------------------------------------------------------------
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens one round commits with a k-token draft whose tokens each hold with prob `acceptance`."""
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def expected_speedup(k: int, acceptance: float, costs: list[float]) -> float:
+    """Tokens per second against plain decoding, for a k-token draft (costs[k] = cost(k+1))."""
+    return expected_tokens(k, acceptance) / costs[min(k, len(costs) - 1)]
+
+
+def best_draft_cap(
+    curve: CostCurve, acceptance: float, depth: int = 2048, max_cap: int = MAX_WIDTH - 1
+) -> tuple[int, float]:
+    """(static draft cap, its expected speedup) maximising tokens/s; (0, 1.0) if none pays."""
+    costs = curve.costs(depth, max_cap + 1)
+    return _best(acceptance, costs, max_cap)
+
+
+def _best(acceptance: float, costs: list[float], max_cap: int) -> tuple[int, float]:
+    best_k, best = 0, 1.0
+    a = min(max(acceptance, 0.0), 1.0)
+    total, term = 1.0, 1.0  # running geometric sum: expected tokens for k = 0
+    for k in range(1, max_cap + 1):
+        term *= a
+        total += term
+        gain = total / costs[k]
+        if gain > best:
+            best_k, best = k, gain
+    return best_k, best
+
+
+# -- the adaptive controller ---------------------------------------------------------------
+
+
+class DraftController:
+    """The per-round draft cap for `--max-draft auto`.
+
+    Call it for the cap before a round; tell it `observe(drafted, accepted)` after.
+    Acceptance is estimated as a geometric continuation probability, smoothed over
+    recent rounds that drafted. The cap moves to the curve's best for that estimate
+    only when that beats the current cap by `hysteresis`; drafting turns off when no
+    cap is expected to gain `min_gain`, and then a probe of `probe_cap` tokens is
+    tried every `probe_every` rounds (doubling while probes fail, up to `probe_max`).
+    """
+
+    def __init__(
+        self,
+        curve: CostCurve,
+        depth: int = 0,
+        max_cap: int = MAX_WIDTH - 1,
+        prior: float = 0.7,
+        decay: float = 0.8,
+        hysteresis: float = 0.05,
+        min_gain: float = 1.02,
+        probe_every: int = 16,
+        probe_max: int = 256,
+        probe_cap: int = 4,
+    ):
+        self.curve, self.depth, self.max_cap = curve, depth, max_cap
+        self.decay, self.hysteresis, self.min_gain = decay, hysteresis, min_gain
+        self.probe_every, self.probe_max, self.probe_cap = probe_every, probe_max, probe_cap
+        prior = min(max(prior, 0.01), 0.99)
+        self._acc, self._rej = prior / (1 - prior), 1.0  # one pseudo-round at the prior
+        self._costs_bucket, self._costs = -1, []
+        self.cap = 0
+        self.off = False
+        self._since_probe = 0
+        self._interval = probe_every
+        self._probing = False
+        self.cap = self._decide(first=True)
+
+    @property
+    def acceptance(self) -> float:
+        return self._acc / (self._acc + self._rej)
+
+    def __call__(self) -> int:
+        if not self.off:
+            return self.cap
+        if self._probing:
+            return self.probe_cap
+        self._since_probe += 1
+        if self._since_probe >= self._interval:
+            self._probing = True
+            return self.probe_cap
+        return 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.depth += accepted + 1
+        if drafted <= 0:
+            return  # the drafter had nothing: no evidence either way
+        self._acc = self.decay * self._acc + accepted
+        self._rej = self.decay * self._rej + (1.0 if accepted < drafted else 0.0)
+        probed, self._probing = self._probing, False
+        self.cap = self._decide()
+        if self.off and probed:
+            self._since_probe = 0
+            self._interval = min(self._interval * 2, self.probe_max)
+
+    def _current_costs(self) -> list[float]:
+        bucket = self.depth // 512  # the curve changes slowly with depth
+        if bucket != self._costs_bucket:
+            self._costs_bucket = bucket
+            self._costs = self.curve.costs(bucket * 512 + 256, self.max_cap + 1)
+        return self._costs
+
+    def _decide(self, first: bool = False) -> int:
+        costs = self._current_costs()
+        a = self.acceptance
+        k, gain = _best(a, costs, self.max_cap)
+        if self.off:
+            if gain >= self.min_gain * (1 + self.hysteresis):
+                self.off = False
+                self._interval = self.probe_every
+                self._since_probe = 0
+                return k
+            return 0
+        if gain < self.min_gain:
+            self.off = True
+            self._since_probe = 0
+            return 0
+        if first or self.cap == 0:
+            return k
+        if gain > expected_speedup(self.cap, a, costs) * (1 + self.hysteresis):
+            return k
+        return self.cap
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def measure_cost_curve(
+    target,
+    widths: tuple[int, ...] | list[int] = DEFAULT_WIDTHS,
+    depths: tuple[int, ...] | list[int] = DEFAULT_DEPTHS,
+    repeats: int = DEFAULT_REPEATS,
+    key: dict | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+    seed: int = 0,
+) -> CostCurve:
+    """Time target forwards of each width at each context depth (best of `repeats`).
+
+    The context is random token ids: attention cost depends on its length, not its text.
+    Each pass is rolled back, so every width is measured at the same depth.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    widths = sorted(set(int(w) for w in widths))
+    if not widths or widths[0] != 1:
+        raise ValueError("cost curve widths must include 1 (the plain-decoding step)")
+    window = target.context_window
+    depths = sorted(set(min(int(d), window - widths[-1] - 1) for d in depths))
+    rng = np.random.default_rng(seed)
+    vocab = target.vocab_size
+    t_start = time.perf_counter()
+    rows = []
+    total = len(depths) * len(widths)
+    done = 0
+    for depth in depths:
+        cache = target.make_cache()
+        context = rng.integers(0, vocab, size=depth + 1).tolist()
+        for s in range(0, depth, 512):
+            target.forward(context[s : min(s + 512, depth)], cache)
+            mx.eval([c.state for c in cache])
+        for _ in range(3):  # warm up: the first passes after a prefill run slow
+            target.forward(context[depth:], cache)
+            mx.eval([c.state for c in cache])
+            target.rollback(cache, 1)
+        row = []
+        for w in widths:
+            tokens = rng.integers(0, vocab, size=w).tolist()
+            times = []
+            for r in range(repeats + 1):  # the first pass warms up this shape
+                t0 = time.perf_counter()
+                logits = target.forward(tokens, cache)
+                mx.eval(mx.argmax(logits, axis=-1))  # what the verify loop reads back
+                dt = time.perf_counter() - t0
+                target.rollback(cache, w)
+                if r:
+                    times.append(dt)
+            row.append(round(min(times), 7))  # the machine may be shared: the least-disturbed pass
+            done += 1
+            if on_progress:
+                on_progress(f"depth {depth} width {w}", done, total)
+        # Interference on a shared machine only ever adds time: a narrower pass measured
+        # slower than a wider one was disturbed, so it is capped at the wider one's time.
+        for i in range(len(row) - 2, -1, -1):
+            row[i] = min(row[i], row[i + 1])
+        rows.append(row)
+        del cache
+    return CostCurve(
+        widths=widths,
+        depths=depths,
+        seconds=rows,
+        key=dict(key or {}),
+        measured=True,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        measure_s=round(time.perf_counter() - t_start, 3),
+    )
+
+
+def load_cost_curve(key: dict) -> CostCurve | None:
+    """The cached curve for exactly this key, or None (absent, unreadable, or another key's)."""
+    path = curve_path(key)
+    try:
+        data = json.loads(path.read_text())
+        curve = CostCurve.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return curve if curve.key == key and curve.measured else None
+
+
+def save_cost_curve(curve: CostCurve) -> Path:
+    path = curve_path(curve.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(curve.to_dict(), indent=1))
+    os.replace(tmp, path)  # readers never see half a file
+    _memo.pop(str(path), None)
+    return path
+
+
+def tune(target, kv_bits: int | None = None, refresh: bool = False, **measure_kwargs) -> CostCurve:
+    """The cached curve for this target and machine; measured (and cached) if absent or `refresh`."""
+    key = curve_key(target, kv_bits)
+    if not refresh:
+        cached = load_cost_curve(key)
+        if cached is not None:
+            return cached
+    curve = measure_cost_curve(target, key=key, **measure_kwargs)
+    save_cost_curve(curve)
+    return curve
+
+
+_memo: dict[str, CostCurve] = {}
+
+
+def curve_for_requests(target, kv_bits: int | None = None) -> CostCurve:
+    """The curve a request path may use right away: the cached one, else the conservative
+    default (measuring takes a minute; `mlx-dspark tune` does it). Read once per process."""
+    key = curve_key(target, kv_bits)
+    memo_key = str(curve_path(key))  # the path holds the cache dir and the key's digest
+    if memo_key not in _memo:
+        _memo[memo_key] = load_cost_curve(key) or CostCurve.default(key)
+    return _memo[memo_key]
+
+
+def draft_controller(target, prompt_tokens: int, kv_bits: int | None = None) -> DraftController:
+    """A fresh controller for one generation (the engine builds one per `auto` request)."""
+    return DraftController(curve_for_requests(target, kv_bits), depth=prompt_tokens)
+
+
+# -- roofline ----------------------------------------------------------------------------------
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second reading a large float32 array (best of `repeats`)."""
+    import mlx.core as mx
+
+    x = mx.random.uniform(shape=(megabytes * (1 << 20) // 4,))
+    mx.eval(x)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        mx.eval(mx.sum(x))
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def model_bytes(target) -> int:
+    from mlx.utils import tree_flatten
+
+    return int(sum(p.nbytes for _, p in tree_flatten(target.model.parameters())))
+
+
+def roofline(target, curve: CostCurve, bandwidth: float | None = None) -> dict:
+    """Memory bandwidth, the plain-decode ceiling it sets for this model, measured plain
+    decoding (a width-1 step), and the best speedup the curve allows a perfect drafter."""
+    bw = measure_bandwidth() if bandwidth is None else bandwidth
+    nbytes = model_bytes(target)
+    depths = {}
+    for depth in curve.depths:
+        width, speedup = curve.best_perfect_speedup(depth)
+        step = curve.step_seconds(1, depth)
+        depths[str(depth)] = {
+            "plain_step_ms": round(step * 1e3, 3),
+            "plain_tok_s": round(1.0 / step, 1),
+            "cost": {str(w): round(curve.relative(w, depth), 3) for w in (2, 4, 8, 16, 32, 64)},
+            "best_width": width,
+            "best_speedup_perfect_drafter": round(speedup, 2),
+        }
+    return {
+        "bandwidth_gb_s": round(bw / 1e9, 2),
+        "model_bytes": nbytes,
+        "plain_decode_ceiling_tok_s": round(bw / nbytes, 1),
+        "curve_measured": curve.measured,
+        "curve_measured_at": curve.measured_at,
+        "by_depth": depths,
+    }
+
+
+def machine_report(target) -> dict:
+    """The roofline for `target` on this machine (for `doctor` and the server's /machine):
+    the cached cost curve, else a quick one-depth measurement of a few seconds."""
+    curve = load_cost_curve(curve_key(target))
+    quick = curve is None
+    if quick:
+        curve = measure_cost_curve(target, widths=(1, 2, 4, 8, 16, 32, 64), depths=(1024,), repeats=2)
+    report = roofline(target, curve)
+    report["curve"] = "quick (one depth; `mlx-dspark tune` measures the full curve)" if quick else "cached"
+    return report

@@ -1,0 +1,179 @@
+"""Auto-tune: the cost-curve cache is keyed and invalidated correctly, the static cap
+follows the curve, and the adaptive controller converges on synthetic acceptance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import (
+    CostCurve,
+    DraftController,
+    GenerationRequest,
+    best_draft_cap,
+    cache_dir,
+    curve_for_requests,
+    curve_key,
+    load_cost_curve,
+    load_target,
+    tune,
+)
+from engine.autotune import curve_path, expected_tokens
+
+SMALL = dict(widths=(1, 2, 4, 8), depths=(16, 64), repeats=1)
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_target(tiny_model_dir)
+
+
+def knee_curve(knee: int = 16) -> CostCurve:
+    """Nearly free up to width `knee`, steep after: at full acceptance the best cap is knee - 1."""
+    widths = list(range(1, 65))
+    row = [1.0 + 0.01 * (w - 1) if w <= knee else 1.0 + 0.01 * (knee - 1) + 0.5 * (w - knee) for w in widths]
+    return CostCurve(widths, [0], [row])
+
+
+def test_cache_dir_follows_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLX_DSPARK_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "mlx-dspark"
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_tune_measures_once_then_reads_the_cache(cache_home, target):
+    curve = tune(target, **SMALL)
+    assert curve.measured and curve.widths == [1, 2, 4, 8] and curve.depths == [16, 64]
+    assert all(s > 0 for row in curve.seconds for s in row)
+    path = curve_path(curve_key(target))
+    assert path.parent == cache_home and path.is_file()
+    stored = json.loads(path.read_text())
+    assert stored["key"] == curve_key(target)
+    again = tune(target, **SMALL)
+    assert again.measured_at == curve.measured_at and again.seconds == curve.seconds  # read, not remeasured
+    refreshed = tune(target, refresh=True, **SMALL)
+    assert refreshed.seconds != curve.seconds or refreshed.measure_s != curve.measure_s
+
+
+@pytest.mark.parametrize(
+    "change", [{"model": "another-model-identity"}, {"mlx": "0.0.1"}, {"kv_bits": 4},
+               {"dtype": "bfloat16"}, {"device": "gpu:Apple M9"}, {"quantization": {"bits": 4, "group_size": 64}}]
+)
+def test_a_different_key_misses_and_remeasures(cache_home, target, change):
+    measured = tune(target, **SMALL)
+    other_key = curve_key(target, **change)
+    assert other_key != measured.key
+    assert curve_path(other_key) != curve_path(measured.key)
+    assert load_cost_curve(other_key) is None
+    assert load_cost_curve(measured.key) is not None
+    # The request path falls back to the conservative default for a key never measured...
+    assert curve_for_requests(target, kv_bits=8).measured is False
+    # ...and a tune for that key measures and stores it, leaving the first one alone.
+    fresh = tune(target, kv_bits=8, **SMALL)
+    assert fresh.key["kv_bits"] == 8 and curve_path(fresh.key).is_file()
+    assert curve_for_requests(target, kv_bits=8).measured is True
+    assert load_cost_curve(measured.key).seconds == measured.seconds
+
+
+def test_a_tampered_or_foreign_file_is_ignored(cache_home, target):
+    curve = tune(target, **SMALL)
+    path = curve_path(curve.key)
+    data = json.loads(path.read_text())
+    data["key"]["mlx"] = "9.9"  # a file whose key doesn't match where it lies
+    path.write_text(json.dumps(data))
+    assert load_cost_curve(curve.key) is None
+    path.write_text("{not json")
+    assert load_cost_curve(curve.key) is None
+
+
+def test_static_cap_follows_the_curve_and_acceptance():
+    curve = knee_curve(16)
+    assert best_draft_cap(curve, 1.0)[0] == 15
+    assert best_draft_cap(curve, 0.0) == (0, 1.0)  # nothing ever accepted: don't draft
+    caps = [best_draft_cap(curve, a)[0] for a in (0.3, 0.6, 0.8, 0.95)]
+    assert caps == sorted(caps) and caps[0] < caps[-1]
+    flat = CostCurve.default()
+    k, gain = best_draft_cap(flat, 0.9)
+    assert 0 < k < 63 and gain == pytest.approx(expected_tokens(k, 0.9) / flat.relative(k + 1, 0))
+
+
+def test_controller_grows_to_the_optimum_under_full_acceptance():
+    curve = knee_curve(16)
+    c = DraftController(curve, depth=100)
+    first = c()
+    caps = []
+    for _ in range(40):
+        k = c()
+        c.observe(k, k)  # every drafted token holds
+        caps.append(c())
+    assert caps[-1] == best_draft_cap(curve, 1.0, depth=100)[0] == 15
+    assert first < 15 and max(caps) == 15  # grew to it, never past it
+    assert c.acceptance > 0.95
+
+
+def test_controller_turns_drafting_off_then_probes():
+    c = DraftController(knee_curve(16), probe_every=8, probe_max=32, probe_cap=4)
+    rounds_to_off = None
+    for i in range(30):
+        k = c()
+        c.observe(k, 0)
+        if c() == 0:
+            rounds_to_off = i + 1
+            break
+    assert rounds_to_off is not None and rounds_to_off <= 15
+    # Off: mostly width-1 rounds, with probes whose spacing backs off while they fail.
+    probes = []
+    for i in range(200):
+        k = c()
+        if k:
+            probes.append(i)
+        c.observe(k, 0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 4 and c.off
+    assert gaps == sorted(gaps) and gaps[-1] <= 33 and gaps[0] < gaps[-1]
+    # A probe that is fully accepted turns drafting back on.
+    while (k := c()) == 0:
+        c.observe(0, 0)
+    c.observe(k, k)
+    assert not c.off and c() > 0
+
+
+def test_controller_ignores_rounds_without_a_draft():
+    c = DraftController(knee_curve(16))
+    before = (c(), c.acceptance)
+    for _ in range(50):
+        c.observe(0, 0)  # the drafter found nothing: no evidence
+    assert (c(), c.acceptance) == before
+
+
+def test_hysteresis_keeps_the_cap_steady_under_noise():
+    c = DraftController(CostCurve.default(), hysteresis=0.05)
+    for _ in range(30):
+        k = c()
+        c.observe(k, k)
+    changes, last = 0, c()
+    for i in range(60):  # acceptance wobbling around a high rate
+        k = c()
+        c.observe(k, k if i % 7 else k // 2)
+        if c() != last:
+            changes, last = changes + 1, c()
+    assert changes <= 10
+
+
+def test_engine_auto_cap_is_lossless_and_adapts(tiny_engine, cache_home):
+    text = "def rename_symbol(path, old, new):\n    return path.replace(old, new)\n" * 6
+    ids = tiny_engine.encode(text)
+    base = tiny_engine.generate(GenerationRequest(ids, max_tokens=60, mode="baseline"))
+    base = list(base)[-1]
+    auto = list(tiny_engine.generate(GenerationRequest(ids, max_tokens=60, mode="lookup", max_draft="auto")))[-1]
+    assert auto.token_ids == base.token_ids
+    assert auto.stats.rounds <= auto.stats.generated_tokens
