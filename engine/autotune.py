@@ -302,6 +302,7 @@ def measure_cost_curve(
     key: dict | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
     seed: int = 0,
+    kv_bits: int | None = None,
 ) -> CostCurve:
     """Time target forwards of each width at each context depth (best of `repeats`).
 
@@ -310,6 +311,8 @@ def measure_cost_curve(
     """
     import mlx.core as mx
     import numpy as np
+
+    from .kv_segments import fresh_cache
 
     widths = sorted(set(int(w) for w in widths))
     if not widths or widths[0] != 1:
@@ -323,7 +326,7 @@ def measure_cost_curve(
     total = len(depths) * len(widths)
     done = 0
     for depth in depths:
-        cache = target.make_cache()
+        cache = fresh_cache(target, kv_bits)  # the cache the engine decodes with
         context = rng.integers(0, vocab, size=depth + 1).tolist()
         for s in range(0, depth, 512):
             target.forward(context[s : min(s + 512, depth)], cache)
@@ -393,7 +396,7 @@ def tune(target, kv_bits: int | None = None, refresh: bool = False, **measure_kw
         cached = load_cost_curve(key)
         if cached is not None:
             return cached
-    curve = measure_cost_curve(target, key=key, **measure_kwargs)
+    curve = measure_cost_curve(target, key=key, kv_bits=kv_bits, **measure_kwargs)
     save_cost_curve(curve)
     return curve
 
@@ -465,13 +468,14 @@ def roofline(target, curve: CostCurve, bandwidth: float | None = None) -> dict:
     }
 
 
-def machine_report(target) -> dict:
+def machine_report(target, kv_bits: int | None = None) -> dict:
     """The roofline for `target` on this machine (for `doctor` and the server's /machine):
     the cached cost curve, else a quick one-depth measurement of a few seconds."""
-    curve = load_cost_curve(curve_key(target))
+    curve = load_cost_curve(curve_key(target, kv_bits))
     quick = curve is None
     if quick:
-        curve = measure_cost_curve(target, widths=(1, 2, 4, 8, 16, 32, 64), depths=(1024,), repeats=2)
+        curve = measure_cost_curve(target, widths=(1, 2, 4, 8, 16, 32, 64), depths=(1024,), repeats=2,
+                                   kv_bits=kv_bits)
     report = roofline(target, curve)
     report["curve"] = "quick (one depth; `mlx-dspark tune` measures the full curve)" if quick else "cached"
     return report

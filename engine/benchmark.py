@@ -10,6 +10,7 @@ one conversation and report time to first token per turn against the cold first.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import statistics
 import time
@@ -165,9 +166,11 @@ def plain_mlx_lm(target, prompt: list[int], max_tokens: int, sampling: SamplingP
     out: list[int] = []
     t0 = time.perf_counter()
     t_first = None
+    from .engine import engine_stream
+
     steps = generate_step(
         mx.array(prompt, dtype=mx.uint32), target.model, max_tokens=max_tokens,
-        sampler=sampling.mlx_lm_sampler(),
+        sampler=sampling.mlx_lm_sampler(), stream=engine_stream(),
     )
     try:
         for token, _ in steps:
@@ -240,8 +243,25 @@ def summarize(samples: list[Sample]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def without_prefix_cache(engine):
+    """Decode contents compare cold prompts: the peer has no cache, and a repeated trial
+    must not start warm. (The `agent` content measures the cache.)"""
+    saved, engine.prefix_cache = engine.prefix_cache, None
+    try:
+        yield
+    finally:
+        engine.prefix_cache = saved
+
+
 def bench_decode(engine, content: Content, modes: list[str], max_draft, trials: int,
                  sampling: SamplingParams, progress: Callable[[str], None]) -> dict:
+    with without_prefix_cache(engine):
+        return _bench_decode(engine, content, modes, max_draft, trials, sampling, progress)
+
+
+def _bench_decode(engine, content: Content, modes: list[str], max_draft, trials: int,
+                  sampling: SamplingParams, progress: Callable[[str], None]) -> dict:
     prompt = content.prompts[0]
     runs: dict[str, list[Sample]] = {"mlx-lm": [], **{m: [] for m in modes}}
     order = ["mlx-lm", *modes]
@@ -309,7 +329,7 @@ def run_benchmark(
                                   "top_k": sampling.top_k, "seed": sampling.seed}},
         "contents": {},
     }
-    curve = engine.call(curve_for_requests)
+    curve = engine.call(lambda target: curve_for_requests(target, engine.kv_bits))
     report["cost_curve"] = {"measured": curve.measured, "measured_at": curve.measured_at,
                             **{f"cost_at_{d}": {str(w): round(curve.relative(w, d), 3)
                                                 for w in (2, 4, 8, 16, 32, 64)} for d in curve.depths}}

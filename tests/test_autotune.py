@@ -75,13 +75,22 @@ def test_a_different_key_misses_and_remeasures(cache_home, target, change):
     assert curve_path(other_key) != curve_path(measured.key)
     assert load_cost_curve(other_key) is None
     assert load_cost_curve(measured.key) is not None
-    # The request path falls back to the conservative default for a key never measured...
-    assert curve_for_requests(target, kv_bits=8).measured is False
-    # ...and a tune for that key measures and stores it, leaving the first one alone.
-    fresh = tune(target, kv_bits=8, **SMALL)
-    assert fresh.key["kv_bits"] == 8 and curve_path(fresh.key).is_file()
-    assert curve_for_requests(target, kv_bits=8).measured is True
-    assert load_cost_curve(measured.key).seconds == measured.seconds
+
+
+def test_a_new_mlx_version_remeasures(cache_home, target, monkeypatch):
+    import mlx.core as mx
+
+    old = tune(target, **SMALL)
+    assert curve_for_requests(target).measured is True
+    with monkeypatch.context() as m:
+        m.setattr(mx, "__version__", "99.0.0-test")
+        # The request path falls back to the conservative default until a tune for this version...
+        assert curve_for_requests(target).measured is False
+        new = tune(target, **SMALL)
+        assert new.key["mlx"] == "99.0.0-test" and curve_path(new.key) != curve_path(old.key)
+        assert curve_path(new.key).is_file()
+        assert curve_for_requests(target).measured is True  # ...which replaces the default at once
+    assert load_cost_curve(old.key).seconds == old.seconds  # the other version's curve is untouched
 
 
 def test_a_tampered_or_foreign_file_is_ignored(cache_home, target):

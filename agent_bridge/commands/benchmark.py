@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
                    help=f"comma-separated, from {','.join(CONTENTS)} (default: %(default)s)")
     p.add_argument("--modes", default="lookup", help="comma-separated decoding modes (default: lookup)")
     p.add_argument("--max-draft", default="auto", help="draft cap per round, a number or 'auto' (default: auto)")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
     p.add_argument("--trials", type=int, default=3, help="runs per content and mode; medians are reported")
     p.add_argument("--max-tokens", type=int, default=None, help="override every content's output budget")
     p.add_argument("--long-depths", default="16384,32768", help="context sizes for `long` (tokens)")
@@ -114,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
     max_draft = parse_max_draft(args.max_draft)
     if args.trials < 1:
         raise CommandError("--trials must be >= 1")
-    with Engine(args.model, max_draft=max_draft) as engine:
+    with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits) as engine:
         if max_draft == "auto" and not args.no_tune:
             _progress("verify cost curve: cached or measuring (once per machine and model)")
-            engine.call(lambda target: tune(target, on_progress=lambda what, i, n: _progress(
+            engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
                 f"measuring verify cost curve: {what} ({i}/{n})")))
         contents = build_contents(engine, args, names)
         report = run_benchmark(engine, contents, modes=modes, max_draft=max_draft, trials=args.trials,

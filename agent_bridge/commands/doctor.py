@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
         from engine import Engine, EngineError, machine_report
 
         try:
-            with Engine(args.model) as engine:
+            with Engine(args.model, prefix_cache=False) as engine:
                 roof = {"model": engine.model_path, **engine.call(machine_report)}
         except EngineError as e:
             problem = str(e)

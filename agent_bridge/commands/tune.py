@@ -11,6 +11,7 @@ import time
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="measure this machine's verify cost curve for a model (cached)")
     p.add_argument("--model", help="mlx-lm model directory or hub id (default: the bundled reference model)")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="for a quantised KV cache")
     p.add_argument("--refresh", action="store_true", help="measure again even if a curve is cached")
     p.add_argument("--depths", default=None, help="context depths to measure at (default: 256,2048,8192)")
     p.add_argument("--repeats", type=int, default=None, help="timed passes per width (median; default 3)")
@@ -42,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
     def progress(what: str, i: int, n: int) -> None:
         print(f"\r\033[K[{time.strftime('%H:%M:%S')}] measuring {what} ({i}/{n})", end="", file=sys.stderr, flush=True)
 
-    with Engine(args.model) as engine:
-        cached = engine.call(lambda t: load_cost_curve(curve_key(t)))
-        curve = engine.call(lambda t: tune(t, refresh=args.refresh, on_progress=progress, **kwargs))
+    with Engine(args.model, kv_bits=args.kv_bits, prefix_cache=False) as engine:
+        cached = engine.call(lambda t: load_cost_curve(curve_key(t, args.kv_bits)))
+        curve = engine.call(lambda t: tune(t, args.kv_bits, refresh=args.refresh, on_progress=progress, **kwargs))
     print("\r\033[K", end="", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(curve.to_dict(), indent=1))
