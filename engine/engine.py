@@ -301,7 +301,7 @@ class Engine:
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
             if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
-                cap = controller = draft_controller(target, len(prompt))
+                cap = controller = draft_controller(target, len(prompt), self.kv_bits)
             rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap)
 
         assembler = TextAssembler(target.tokenizer, req.stop)
