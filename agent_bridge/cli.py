@@ -16,6 +16,7 @@ COMMANDS = {
     "doctor": "doctor",
     "serve": "serve",
     "mcp": "mcp",
+    "integrate": "integrate",
     "benchmark": "benchmark",
     "tune": "tune",
 }

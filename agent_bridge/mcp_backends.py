@@ -155,8 +155,8 @@ class HTTPBackend:
         except (KeyError, IndexError, TypeError):
             raise BackendError(f"server {self.url} sent an unexpected reply: {str(data)[:300]}") from None
         usage = data.get("usage") or {}
-        # the server may add engine stats to its reply; take what is there
-        extra = data.get("stats") or data.get("x_stats") or usage.get("stats") or {}
+        # mlx-dspark serve adds the engine's stats to its reply; another server may not
+        extra = data.get("mlx_dspark") or {}
         stats = {k: extra[k] for k in STAT_KEYS if k in extra}
         stats.setdefault("prompt_tokens", usage.get("prompt_tokens"))
         stats.setdefault("generated_tokens", usage.get("completion_tokens"))

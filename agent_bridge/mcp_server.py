@@ -301,12 +301,24 @@ def format_stats(s: dict) -> str:
     return ", ".join(bits)
 
 
-def http_routes(server: MCPServer, host: str = "127.0.0.1"):
-    """(routes, lifespan) to mount streamable HTTP MCP at /mcp on another Starlette app.
+def http_mount(engine, root=None, host: str = "127.0.0.1"):
+    """(routes, lifespan) that put streamable-HTTP MCP at /mcp on `mlx-dspark serve`'s app,
+    with the tools generating through that server's own engine.
 
-    The session manager needs a running task group: enter `lifespan()` (an async context
-    manager) inside the host app's lifespan.
+    The MCP session manager needs a running task group: the lifespan provides it.
     """
+    from contextlib import asynccontextmanager
+
+    from .mcp_backends import EngineBackend
+
+    server = build_server(EngineBackend(engine), Workspace(root))
+    # its own Starlette app is only used for its /mcp route; DNS-rebinding protection follows `host`
     app = server.streamable_http_app(streamable_http_path="/mcp", host=host)
     routes = [r for r in app.routes if getattr(r, "path", None) == "/mcp"]
-    return routes, server.session_manager.run
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        async with server.session_manager.run():
+            yield
+
+    return routes, lifespan
