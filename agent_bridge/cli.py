@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "serve",
     "mcp": "mcp",
     "integrate": "integrate",
+    "claude": "claude",
     "benchmark": "benchmark",
     "tune": "tune",
 }
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_fast_blas()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # only a command that hands its arguments on (`claude`) takes unknown ones
+        if not hasattr(args, "passthrough"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.passthrough = extra
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

@@ -210,3 +210,60 @@ def test_claude_print_run_sees_the_tools(mcp_server, tmp_path):
     assert {"name": "mlx-dspark", "status": "connected"} in init["mcp_servers"], init["mcp_servers"]
     for tool in ("rewrite_file", "rename_symbol", "edit_file", "generate", "status"):
         assert f"mcp__mlx-dspark__{tool}" in init["tools"]
+
+
+# -- mlx-dspark claude ---------------------------------------------------------------
+
+
+def test_claude_environment_points_every_alias_at_the_server():
+    import argparse
+
+    from agent_bridge.commands.claude import claude_environment
+
+    args = argparse.Namespace(port=8123, host="127.0.0.1", api_key=None, max_output=8192)
+    env = claude_environment({"PATH": "/bin", "ANTHROPIC_API_KEY": "sk-cloud"}, {"model": "ref", "context_window": 16384}, args)
+    assert env["PATH"] == "/bin" and "ANTHROPIC_API_KEY" not in env
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8123" and env["ANTHROPIC_AUTH_TOKEN"] == "local"
+    for key in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL"):
+        assert env[key] == "ref"
+    assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1" and env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "16384" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "4096"
+
+
+def test_unknown_arguments_only_for_claude(capsys):
+    with pytest.raises(SystemExit):
+        main(["integrate", "codex", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@needs_claude
+def test_claude_command_starts_a_server_and_runs_claude(tiny_model_dir, tmp_path):
+    import re
+    import signal
+    import socket
+
+    from test_mcp_stdio import mlx_dspark
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path / "home"
+    home.mkdir()
+    env = claude_env(home)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    r = subprocess.run([mlx_dspark(), "claude", "--port", str(port), "--serve-model", str(tiny_model_dir),
+                        "--claude-bin", str(CLAUDE), "-p", "hi", "--output-format", "json", "--max-turns", "1"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    pid = re.search(r"started one \(pid (\d+)", r.stderr)
+    try:
+        assert pid, r.stderr
+        assert "server ready" in r.stderr
+        result = json.loads(r.stdout)  # claude ran, and answered in its own JSON
+        assert result["type"] == "result"
+        import httpx
+
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["model"] == tiny_model_dir.name
+    finally:
+        if pid:
+            os.kill(int(pid.group(1)), signal.SIGTERM)
