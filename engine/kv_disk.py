@@ -16,6 +16,7 @@ then os.replace; the size cap deletes the oldest files first (loads refresh mtim
 from __future__ import annotations
 
 import hashlib
+import array
 import json
 import logging
 import os
@@ -42,14 +43,14 @@ class DiskEntry:
     end: str
     digest: str
     size: int
-    tokens: list[int] | None = None  # read lazily from the file's header
+    tokens: array.array | None = None  # read lazily from the file (4 bytes a token)
 
 
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def read_tokens(path: Path) -> list[int]:
+def read_tokens(path: Path) -> array.array:
     """The `tokens` tensor of a safetensors file, read without loading the KV arrays."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -63,13 +64,11 @@ def read_tokens(path: Path) -> list[int]:
             raise ValueError("bad tokens entry")
         f.seek(8 + n + a)
         raw = f.read(b - a)
-    import array
-
     tokens = array.array("i")
     tokens.frombytes(raw)
     if len(tokens) != info["shape"][0]:
         raise ValueError("tokens shape mismatch")
-    return tokens.tolist()
+    return tokens
 
 
 class DiskTier:
@@ -184,7 +183,7 @@ class DiskTier:
         except Exception as err:
             self._skip(e, str(err))
             return None
-        e.tokens = tokens
+        e.tokens = array.array("i", tokens)
         self.loads += 1
         try:
             os.utime(e.path)  # recently used: last to go under the cap
@@ -221,7 +220,7 @@ class DiskTier:
             except OSError:
                 pass
             return False
-        self._add(DiskEntry(final, parent, end, digest, len(data), list(tokens)))
+        self._add(DiskEntry(final, parent, end, digest, len(data), array.array("i", tokens)))
         self.writes += 1
         self.enforce_cap()
         return True

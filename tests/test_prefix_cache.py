@@ -287,3 +287,22 @@ def test_no_prefix_cache_flag(tiny_model_dir):
         e.close()
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-bits", "3"])
+
+
+def test_cancel_mid_prefill_then_reuse(tiny_model_dir, plain):
+    from engine import CancelledError, PrefillProgress
+
+    with Engine(str(tiny_model_dir), prefill_chunk=32) as e:
+        base = rand_tokens(300, 130)
+        same(e, plain, base)
+        prompt = base + rand_tokens(300, 131)
+        job = e.submit(GenerationRequest(prompt, max_tokens=8))
+        seen = []
+        with pytest.raises(CancelledError):
+            for ev in job:
+                if isinstance(ev, PrefillProgress):
+                    seen.append(ev.done)
+                    job.cancel()
+        assert 300 <= seen[0] and max(seen) <= 300 + 32  # progress counts the cached part; stops within a chunk
+        assert same(e, plain, prompt) == 300
+        assert e.cache_stats()["hits"] == 2
