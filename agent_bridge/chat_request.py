@@ -1,0 +1,176 @@
+"""The one internal chat request every protocol translates into, and field checks.
+
+Messages are normalised for the model's chat template (the OpenAI/Hugging Face shape):
+`{"role": "system"|"user"|"assistant"|"tool", "content": str}`, assistant messages may
+carry `tool_calls` (`{"id", "type": "function", "function": {"name", "arguments": dict}}`),
+tool messages carry `tool_call_id`. Tools are in OpenAI function form.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import GenerationRequest, InvalidRequestError, SamplingParams
+
+from .http_errors import ApiError, bad_request
+
+MAX_TOKENS_LIMIT = 2**31 - 1  # above this a max_tokens is an error, below it is clamped to the context
+MAX_STOPS = 16
+_MISSING = object()
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    model: str = ""
+    tools: list[dict] | None = None
+    max_tokens: int = 4096
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    template_kwargs: dict = field(default_factory=dict)
+    parse_tools: bool = True  # False when tool_choice is "none"
+    assistant_prefix: str = ""  # a final partial assistant message the model continues
+
+    def __post_init__(self) -> None:
+        if not self.tools:  # a model's tool-call syntax is only read when the client offered tools
+            self.parse_tools = False
+
+    def generation_request(self, prompt_ids: list[int]) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=self.max_tokens,
+            sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed),
+            stop=list(self.stop),
+        )
+
+
+def render(engine: Any, req: ChatRequest) -> list[int]:
+    """Messages -> prompt ids through the model's chat template.
+
+    Some templates refuse a system message after the first one (Claude Code sends one
+    inside `messages`): then those are folded into the leading system message."""
+    try:
+        ids = engine.render_chat(req.messages, req.tools, **req.template_kwargs)
+    except InvalidRequestError:
+        merged = fold_system_messages(req.messages)
+        if merged == req.messages:
+            raise
+        ids = engine.render_chat(merged, req.tools, **req.template_kwargs)
+    if req.assistant_prefix:
+        ids = ids + engine.encode(req.assistant_prefix)
+    return ids
+
+
+def fold_system_messages(messages: list[dict]) -> list[dict]:
+    systems = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    return ([{"role": "system", "content": "\n\n".join(systems)}] if systems else []) + rest
+
+
+def tool_call(call_id: str, name: str, arguments: Any) -> dict:
+    """A normalised assistant tool call; arguments become a dict (templates `tojson` them)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise bad_request(f"tool call {name!r}: arguments are not valid JSON") from None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"tool call {name!r}: arguments must be a JSON object")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# -- field checks: each raises a 400 naming the field ----------------------------------
+
+def _type_name(kinds: tuple) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+             list: "an array", dict: "an object", type(None): "null"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def get(body: dict, name: str, kinds: tuple, default: Any = _MISSING, where: str = "") -> Any:
+    label = f"{where}{name}"
+    if name not in body or (body[name] is None and type(None) not in kinds and default is not _MISSING):
+        if default is _MISSING:
+            raise bad_request(f"{label}: field required", param=label)
+        return default
+    value = body[name]
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise bad_request(f"{label}: expected {_type_name(kinds)}, got {type(value).__name__}", param=label)
+    return value
+
+
+def get_int(body: dict, name: str, default: Any = _MISSING, minimum: int | None = None,
+            maximum: int | None = None) -> Any:
+    value = get(body, name, (int,), default)
+    if value is None or value is default:
+        return value
+    if minimum is not None and value < minimum:
+        raise bad_request(f"{name}: must be >= {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise bad_request(f"{name}: must be <= {maximum}, got {value}", param=name)
+    return value
+
+
+def get_number(body: dict, name: str, default: Any, minimum: float, maximum: float) -> float:
+    value = get(body, name, (float,), default)
+    if value is None:
+        return default
+    value = float(value)
+    if not minimum <= value <= maximum:
+        raise bad_request(f"{name}: must be between {minimum} and {maximum}, got {value}", param=name)
+    return value
+
+
+def get_stops(body: dict, name: str) -> list[str]:
+    value = get(body, name, (str, list), None)
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"{name}: expected a string or up to {MAX_STOPS} strings", param=name)
+    return [s for s in stops if s]
+
+
+def text_of(content: Any, where: str, allowed: tuple = ("text",)) -> str:
+    """A message content (string or list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: content must be a string or an array of content blocks")
+    parts = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise bad_request(f"{where}.content[{i}]: expected an object")
+        kind = block.get("type")
+        if kind in allowed:
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{where}.content[{i}].text: expected a string")
+            parts.append(text)
+        elif kind in ("image", "image_url", "input_image", "document", "input_file", "input_audio"):
+            raise bad_request(f"{where}.content[{i}]: this server's model takes text only ({kind} blocks unsupported)")
+        else:
+            raise bad_request(f"{where}.content[{i}]: unsupported content block type {kind!r}")
+    return "\n".join(parts)
+
+
+def check_context(prompt_ids: list[int], context_window: int) -> None:
+    from engine import PromptTooLongError
+
+    if len(prompt_ids) >= context_window:
+        raise PromptTooLongError(len(prompt_ids), context_window)
+
+
+__all__ = ["ApiError", "ChatRequest", "MAX_TOKENS_LIMIT", "check_context", "fold_system_messages", "get",
+           "get_int", "get_number", "get_stops", "render", "text_of", "tool_call"]

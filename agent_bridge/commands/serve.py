@@ -1,0 +1,43 @@
+"""`mlx-dspark serve`: the OpenAI, Anthropic and Responses APIs over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import add_engine_args, engine_from_args
+
+
+def add_parser(sub) -> None:
+    from agent_bridge.server import DEFAULT_HOST, DEFAULT_MAX_TOKENS, DEFAULT_PORT
+
+    p = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Responses APIs")
+    add_engine_args(p)
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="output cap when an OpenAI request sets none")
+    p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
+    p.add_argument("--root", default=None, help="workspace root for the MCP tools at /mcp (default: current directory)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent_bridge.cli import CommandError
+    from agent_bridge.server import serve
+
+    if not 0 < args.port < 65536:
+        raise CommandError(f"--port must be 1-65535, not {args.port}")
+    if args.default_max_tokens < 1:
+        raise CommandError("--default-max-tokens must be >= 1")
+    with engine_from_args(args) as engine:
+        print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
+              f"(context {engine.context_window} tokens)", flush=True)
+        from agent_bridge.mcp_server import http_mount
+
+        mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
+        serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
+              default_max_tokens=args.default_max_tokens, model_name=args.model_name,
+              extra_routes=mcp_routes, lifespan=mcp_lifespan)
+    return 0

@@ -1,0 +1,160 @@
+"""The HTTP server: one Starlette app for the OpenAI, Anthropic and Responses APIs.
+
+    app = create_app(engine, api_key=None)      # any ASGI server runs it
+    serve(engine, host="127.0.0.1", port=8080)  # or uvicorn, bound to loopback by default
+
+One engine thread owns MLX; requests queue to it in arrival order (Engine.submit), so
+many clients may connect at once. `extra_routes` (e.g. an MCP app mounted at /mcp) are
+appended; `lifespan` is passed through for whoever mounts something that needs one.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Callable, Sequence
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+
+from . import anthropic_api, openai_api, responses_api
+from .http_errors import ApiError, error_response
+from .job_stream import DEFAULT_MAX_BODY_BYTES, Bridge, ClientGone, read_json
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_MAX_TOKENS = 4096
+OPEN_PATHS = ("/health",)  # reachable without the API key
+MAX_CORPUS_CHARS = 2_000_000
+
+
+async def health(request: Request):
+    bridge: Bridge = request.app.state.bridge
+    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window})
+
+
+async def metrics(request: Request):
+    return PlainTextResponse(request.app.state.bridge.metrics.render(),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def corpus(request: Request):
+    """Text an agent read (Claude Code hooks post files here): lookup drafting can copy from it."""
+    bridge: Bridge = request.app.state.bridge
+    body = await read_json(request)
+    text, path = body.get("text"), body.get("path")
+    if not isinstance(text, str):
+        raise ApiError(400, "text: expected a string", param="text")
+    if path is not None and not isinstance(path, str):
+        raise ApiError(400, "path: expected a string", param="path")
+    if len(text) > MAX_CORPUS_CHARS:
+        raise ApiError(413, f"text is {len(text)} characters; the limit is {MAX_CORPUS_CHARS}")
+    ids = await bridge.encode(text)
+    bridge.engine.add_corpus(ids)
+    return JSONResponse({"ok": True, "path": path, "tokens": len(ids)})
+
+
+def _route_label(request_path: str, routes: Sequence[Any]) -> str:
+    for r in routes:
+        path = getattr(r, "path", None)
+        if path and (request_path == path or (getattr(r, "path_format", "").endswith("}") and
+                                              request_path.startswith(path.split("{")[0]))):
+            return path
+        if path and r.__class__.__name__ == "Mount" and request_path.startswith(path.rstrip("/") + "/"):
+            return path
+    return "other"
+
+
+class GuardMiddleware:
+    """API key check on every route but /health, and request metrics by route and status."""
+
+    def __init__(self, app: Callable, bridge: Bridge, api_key: str | None, routes: Sequence[Any]):
+        self.app, self.bridge, self.api_key, self.routes = app, bridge, api_key, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status_seen = {"status": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status_seen["status"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
+                response = error_response(ApiError(401, "invalid or missing API key: send "
+                                                   "'Authorization: Bearer KEY' or 'x-api-key: KEY'"), path)
+                return await response(scope, receive, send_wrapper)
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.bridge.metrics.request(scope.get("method", ""), _route_label(path, self.routes), status_seen["status"])
+
+    def _authorized(self, scope) -> bool:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get("x-api-key") or ""
+        auth = headers.get("authorization", "")
+        if not given and auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        return bool(given) and hmac.compare_digest(given.encode(), self.api_key.encode())
+
+
+async def _api_error(request: Request, exc: ApiError):
+    return error_response(exc, request.url.path)
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+    return error_response(ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail))), request.url.path)
+
+
+async def _client_gone(request: Request, exc: ClientGone):
+    return PlainTextResponse("", status_code=499)
+
+
+async def _unexpected(request: Request, exc: Exception):
+    # A bug of ours: the client still gets its own error format, not a traceback.
+    return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    context_window: int | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    extra_routes: Sequence[Any] = (),
+    lifespan: Any = None,
+) -> Starlette:
+    bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/corpus", corpus, methods=["POST"]),
+        *openai_api.routes,
+        *anthropic_api.routes,
+        *responses_api.routes,
+        *extra_routes,
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
+                            Exception: _unexpected},
+        lifespan=lifespan,
+    )
+    app.state.bridge = bridge
+    app.state.max_body_bytes = max_body_bytes
+    app.add_middleware(GuardMiddleware, bridge=bridge, api_key=api_key, routes=routes)
+    return app
+
+
+def serve(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level: str = "info", **app_kwargs: Any) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(engine, **app_kwargs), host=host, port=port, log_level=log_level,
+                timeout_keep_alive=30)
