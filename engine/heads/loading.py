@@ -194,7 +194,11 @@ def load_head(path_or_id: str | Path, target=None, bits: int | None = None, allo
     own = {n.split(".")[0] for n in weights if n in OPTIONAL_DSPARK and kind == "dspark"}
     if "d2t" in weights:
         cfg.draft_vocab_size = int(weights["d2t"].shape[0])
-    target_hidden = target.hidden_size if target is not None else None
+    # The fc input width says which target hidden size the head was trained on; the pairing
+    # check below compares it with this target's (a clearer error than a shape mismatch).
+    fc = weights.get("fc.weight")
+    n_taps = len(cfg.target_layer_ids)
+    target_hidden = fc.shape[-1] // n_taps if fc is not None and fc.shape[-1] % n_taps == 0 else None
     head = build_head(cfg, kind, target_hidden, own)
     check_weights(head, weights)
     head.load_weights([(n, w) for n, w in weights.items() if n in dict(tree_flatten(head.parameters()))])
