@@ -106,7 +106,7 @@ class Generation:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        job, q = self.job, self.queue
+        job, q, metrics = self.job, self.queue, self.bridge.metrics
 
         def pump() -> None:
             while True:
@@ -114,6 +114,8 @@ class Generation:
                     event = job.next_event()
                 except BaseException as e:  # the job's error, handed to the loop
                     event = e
+                if isinstance(event, Done):  # counted even when nobody listens any more (a cancelled job)
+                    metrics.generation(event.stats, event.finish_reason)
                 try:
                     loop.call_soon_threadsafe(q.put_nowait, event)
                 except RuntimeError:  # loop closed: nobody is listening
@@ -144,7 +146,6 @@ class Generation:
             raise ApiError(500, f"generation failed: {type(event).__name__}: {event}")
         if isinstance(event, Done):
             self.done = event
-            self.bridge.metrics.generation(event.stats)
         return event
 
     async def events(self) -> AsyncIterator[Any]:

@@ -40,6 +40,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, str, int], int] = defaultdict(int)
         self.counters: dict[str, float] = defaultdict(float)
+        self.finishes: dict[str, int] = defaultdict(int)
         self.in_flight = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.decode = Histogram(DECODE_BUCKETS)
@@ -49,9 +50,10 @@ class Metrics:
         with self._lock:
             self.requests[(method, route, status)] += 1
 
-    def generation(self, stats) -> None:
+    def generation(self, stats, finish_reason: str = "") -> None:
         """Record one finished generation's engine Stats."""
         with self._lock:
+            self.finishes[finish_reason] += 1
             c = self.counters
             c["prompt_tokens"] += stats.prompt_tokens
             c["cached_tokens"] += stats.cached_tokens
@@ -73,6 +75,10 @@ class Metrics:
                      f"# TYPE {p}_requests_total counter"]
             for (method, route, status), n in sorted(self.requests.items()):
                 lines.append(f'{p}_requests_total{{method="{method}",route="{route}",status="{status}"}} {n}')
+            lines += [f"# HELP {p}_generations_by_finish_total Finished generations by finish reason.",
+                      f"# TYPE {p}_generations_by_finish_total counter"]
+            for reason, n in sorted(self.finishes.items()):
+                lines.append(f'{p}_generations_by_finish_total{{finish="{reason}"}} {n}')
             for name, help_ in (
                 ("generations", "Finished generations."),
                 ("prompt_tokens", "Prompt tokens received."),

@@ -86,6 +86,8 @@ class OutputParser:
         self.state = "thinking" if thinking and self.s.think_end else "text"
         self.buf = ""
         self.pending_ws = ""  # whitespace-only text held until something follows it
+        self.ws_before_call = ""
+        self.fresh = True  # no text since the start, a thought or a call: leading whitespace is noise
         self.id_prefix = id_prefix
         self.calls: list[ToolCall] = []
 
@@ -109,8 +111,8 @@ class OutputParser:
                     self._text(self.buf[:i], out)
                     self.buf = self.buf[i + len(marker):]
                     self.state = state
-                    if state == "call":
-                        self.pending_ws = ""  # whitespace before a call is noise
+                    if state == "call":  # whitespace before a call is noise, unless the call is malformed
+                        self.ws_before_call, self.pending_ws = self.pending_ws, ""
                     continue
                 hold = _partial_overlap(self.buf, [m for m, _ in self._openers()])
                 self._text(self.buf[: len(self.buf) - hold], out)
@@ -121,8 +123,8 @@ class OutputParser:
                 if i >= 0:
                     if self.buf[:i]:
                         out.append(Segment("thinking", self.buf[:i]))
-                    self.buf = self.buf[i + len(self.s.think_end):].lstrip("\n")
-                    self.state = "text"
+                    self.buf = self.buf[i + len(self.s.think_end):]
+                    self.state, self.fresh = "text", True
                     continue
                 hold = _partial_overlap(self.buf, [self.s.think_end])
                 if len(self.buf) > hold:
@@ -155,15 +157,23 @@ class OutputParser:
             calls = _to_calls(self.s.parse(body, self.tools), self.id_prefix)
         except Exception:  # malformed: the text goes to the client as it was written
             raw = self.s.tool_start + body + (self.s.tool_end if closed else "")
+            self.pending_ws = self.ws_before_call
             self._text(raw, out)
             return
         self.calls.extend(calls)
+        self.fresh = True
         out.extend(Segment("tool_call", call=c) for c in calls)
 
     def _text(self, text: str, out: list[Segment]) -> None:
         if not text:
             return
         text = self.pending_ws + text
+        if self.fresh:
+            text = text.lstrip()
+            self.pending_ws = ""
+            if not text:
+                return
+            self.fresh = False
         if not text.strip():
             self.pending_ws = text
             return
