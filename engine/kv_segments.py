@@ -98,16 +98,16 @@ def build_cache(cache: list, parts: list[list[list[mx.array]]]) -> list:
     return cache
 
 
-def check_segment(seg: list[list[mx.array]], like: list[list[mx.array]] | None, n_tokens: int) -> None:
-    """Raise ValueError unless `seg` holds n_tokens per array, shaped like `like` (when given)."""
+def segment_signature(seg: list[list[mx.array]]) -> list[list[tuple]]:
+    """Dtype and shape (token axis left out) of each array: what every segment of a model shares."""
+    return [[(a.dtype, a.shape[:SEQ_AXIS], a.shape[SEQ_AXIS + 1 :]) for a in layer] for layer in seg]
+
+
+def check_segment(seg: list[list[mx.array]], signature: list[list[tuple]] | None, n_tokens: int) -> None:
+    """Raise ValueError unless `seg` holds n_tokens per array and matches `signature` (when known)."""
     for layer in seg:
         for a in layer:
             if a.ndim != 4 or a.shape[SEQ_AXIS] != n_tokens:
                 raise ValueError(f"array of shape {a.shape} for a segment of {n_tokens} tokens")
-    if like is not None:
-        if len(seg) != len(like) or any(len(a) != len(b) for a, b in zip(seg, like)):
-            raise ValueError("layer layout differs from this model's")
-        for la, lb in zip(seg, like):
-            for a, b in zip(la, lb):
-                if a.dtype != b.dtype or a.shape[:2] != b.shape[:2] or a.shape[3:] != b.shape[3:]:
-                    raise ValueError("array dtype or shape differs from this model's")
+    if signature is not None and segment_signature(seg) != signature:
+        raise ValueError("array layout, dtype or shape differs from this model's")

@@ -30,6 +30,7 @@ from .kv_segments import (
     check_segment,
     cut_segment,
     segment_nbytes,
+    segment_signature,
     slice_segment,
 )
 from .radix_tree import Node, RadixTree
@@ -96,7 +97,7 @@ class PrefixCache:
             cap = default_max_disk_bytes(disk_dir) if max_disk_bytes is None else int(max_disk_bytes)
             self.disk = DiskTier(disk_dir, identity, cap)
         self._pinned: set[Node] = set()
-        self._like = None  # a segment of this model, to check loaded ones against
+        self._signature = None  # this model's segment layout, to check loaded ones against
         self.hits = self.misses = self.evictions = 0
         self.cached_tokens_served = 0
 
@@ -127,8 +128,8 @@ class PrefixCache:
             return
         if self.kind == "segments":
             path = self.tree.insert(list(tokens[:n]), lambda a, b: slice_segment(cache, a, b))
-            if path and self._like is None:
-                self._like = path[-1].payload
+            if path and self._signature is None:
+                self._signature = segment_signature(path[-1].payload)
         elif self.kind == "checkpoint":
             self._store_checkpoint(tuple(tokens[:n]), cache)
         self._evict()
@@ -200,12 +201,12 @@ class PrefixCache:
                 continue
             tokens, segment = loaded
             try:
-                check_segment(segment, self._like, len(tokens))
+                check_segment(segment, self._signature, len(tokens))
             except ValueError as err:
                 self.disk._skip(entry, str(err))
                 continue
-            if self._like is None:
-                self._like = segment
+            if self._signature is None:
+                self._signature = segment_signature(segment)
             nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 else cut_segment(segment, a, b), start=base)
             if nodes and nodes[-1].parent is base and nodes[-1].tokens == tokens:
                 nodes[-1].on_disk = True
