@@ -323,7 +323,7 @@ def measure_cost_curve(
     vocab = target.vocab_size
     t_start = time.perf_counter()
     rows = []
-    total = len(depths) * len(widths)
+    total = len(depths) * len(widths) * repeats
     done = 0
     for depth in depths:
         cache = fresh_cache(target, kv_bits)  # the cache the engine decodes with
@@ -335,22 +335,23 @@ def measure_cost_curve(
             target.forward(context[depth:], cache)
             mx.eval([c.state for c in cache])
             target.rollback(cache, 1)
-        row = []
-        for w in widths:
-            tokens = rng.integers(0, vocab, size=w).tolist()
-            times = []
-            for r in range(repeats + 1):  # the first pass warms up this shape
+        # Whole sweeps over the widths, best pass per width: a burst of interference
+        # from other processes then spoils one pass of several widths, not a width.
+        best = [float("inf")] * len(widths)
+        draws = {w: rng.integers(0, vocab, size=w).tolist() for w in widths}
+        for sweep in range(repeats + 1):  # sweep 0 warms every shape up
+            for i, w in enumerate(widths):
                 t0 = time.perf_counter()
-                logits = target.forward(tokens, cache)
+                logits = target.forward(draws[w], cache)
                 mx.eval(mx.argmax(logits, axis=-1))  # what the verify loop reads back
                 dt = time.perf_counter() - t0
                 target.rollback(cache, w)
-                if r:
-                    times.append(dt)
-            row.append(round(min(times), 7))  # the machine may be shared: the least-disturbed pass
-            done += 1
-            if on_progress:
-                on_progress(f"depth {depth} width {w}", done, total)
+                if sweep:
+                    best[i] = min(best[i], dt)
+                    done += 1
+                    if on_progress:
+                        on_progress(f"depth {depth} width {w} pass {sweep}/{repeats}", done, total)
+        row = [round(t, 7) for t in best]
         # Interference on a shared machine only ever adds time: a narrower pass measured
         # slower than a wider one was disturbed, so it is capped at the wider one's time.
         for i in range(len(row) - 2, -1, -1):

@@ -31,7 +31,7 @@ from .stops import TextAssembler
 from .target import Target, load_target
 from .verify import Round, prefill, speculative_rounds
 
-DEFAULT_MAX_DRAFT = 32
+DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/autotune.py)
 DEFAULT_PREFILL_CHUNK = 512
 MAX_ENGINE_CORPUS_DOCS = 64
 
@@ -43,7 +43,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     mode: str | None = None  # None: the engine's default
-    max_draft: int | None = None  # None: the engine's default
+    max_draft: int | str | None = None  # a cap, "auto", or None: the engine's default
     corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from
 
 
@@ -93,7 +93,7 @@ class Engine:
         model: str | None = None,
         *,
         mode: str = "auto",
-        max_draft: int = DEFAULT_MAX_DRAFT,
+        max_draft: int | str = DEFAULT_MAX_DRAFT,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         context_window: int | None = None,
         dtype: str | None = None,
@@ -302,6 +302,8 @@ class Engine:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
             if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
                 cap = controller = draft_controller(target, len(prompt), self.kv_bits)
+            elif isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+                raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
             rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap)
 
         assembler = TextAssembler(target.tokenizer, req.stop)
