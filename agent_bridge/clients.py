@@ -109,9 +109,11 @@ def claude_code(o: Options, parts: set[str]) -> list[Target]:
         data["env"] = claude_env(o)
     if "hooks" in parts:
         data["hooks"] = claude_hooks(o, hooks_dir)
+    if "mcp" in parts and o.scope == "project":
+        data["enabledMcpjsonServers"] = [SERVER_NAME]  # approve our .mcp.json entry (and only it)
     out = []
     if data:
-        out.append(Target(settings, "json", data, "Claude Code settings: env block (local model) and hooks"))
+        out.append(Target(settings, "json", data, "Claude Code settings: env block (local model), hooks, MCP approval"))
     if "mcp" in parts:
         entry = mcp_stdio(o) if o.transport == "stdio" else mcp_http(o)
         out.append(Target(mcp_file, "json", {mcp_key: {SERVER_NAME: entry}}, f"MCP server ({o.transport})"))
