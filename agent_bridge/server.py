@@ -56,6 +56,22 @@ async def corpus(request: Request):
     return JSONResponse({"ok": True, "path": path, "tokens": len(ids)})
 
 
+async def machine(request: Request):
+    """The roofline (memory bandwidth, plain-decode ceiling, verify cost curve, best speedup
+    for a perfect drafter); measured on the engine thread on first call, then kept."""
+    from starlette.concurrency import run_in_threadpool
+
+    from engine import describe_platform, machine_report
+
+    state = request.app.state
+    if getattr(state, "machine", None) is None:
+        engine = state.bridge.engine
+        kv_bits = getattr(engine, "kv_bits", None)
+        state.machine = await run_in_threadpool(
+            engine.call, lambda t: {**describe_platform(), "roofline": machine_report(t, kv_bits)})
+    return JSONResponse(state.machine)
+
+
 def _route_label(request_path: str, routes: Sequence[Any]) -> str:
     for r in routes:
         path = getattr(r, "path", None)
@@ -135,6 +151,7 @@ def create_app(
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/machine", machine, methods=["GET"]),
         Route("/v1/corpus", corpus, methods=["POST"]),
         *openai_api.routes,
         *anthropic_api.routes,

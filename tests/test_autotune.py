@@ -186,3 +186,21 @@ def test_engine_auto_cap_is_lossless_and_adapts(tiny_engine, cache_home):
     auto = list(tiny_engine.generate(GenerationRequest(ids, max_tokens=60, mode="lookup", max_draft="auto")))[-1]
     assert auto.token_ids == base.token_ids
     assert auto.stats.rounds <= auto.stats.generated_tokens
+
+
+def test_machine_route_reports_the_roofline(tiny_engine, cache_home):
+    from starlette.testclient import TestClient
+
+    from agent_bridge.server import create_app
+
+    with TestClient(create_app(tiny_engine)) as client:
+        r = client.get("/machine")
+        assert r.status_code == 200
+        body = r.json()
+    roof = body["roofline"]
+    assert body["backend"] and roof["bandwidth_gb_s"] > 0 and roof["model_bytes"] > 0
+    assert roof["plain_decode_ceiling_tok_s"] > 0
+    (depth,) = roof["by_depth"].values()  # no cached curve: one quick depth
+    assert depth["best_width"] >= 1 and depth["best_speedup_perfect_drafter"] >= 1.0
+    assert set(depth["cost"]) == {"2", "4", "8", "16", "32", "64"}
+    assert "quick" in roof["curve"]
