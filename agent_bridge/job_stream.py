@@ -191,6 +191,8 @@ async def read_json(request: Request, max_bytes: int | None = None) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, not {type(body).__name__}")
     return body
