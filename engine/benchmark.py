@@ -125,7 +125,7 @@ def build_long(engine, depth: int, max_tokens: int = 128) -> Content:
     ids = _chat(engine, task, prompts.load("system").strip(), history)
     limit = min(engine.context_window - 1 - max_tokens, len(ids))
     ids = ids[-limit:] if len(ids) > limit else ids
-    return Content(f"long-{depth // 1024}k", [ids], max_tokens, note=f"{len(ids)} tokens of context")
+    return Content(f"long-{round(depth / 1024)}k", [ids], max_tokens, note=f"{len(ids)} tokens of context")
 
 
 def _stdlib_text(engine, tokens: int) -> str:
@@ -352,26 +352,27 @@ def run_benchmark(
 
 def format_table(report: dict) -> str:
     """The report as a readable text table."""
-    head = ("content", "prompt", "tokens", "mlx-lm tok/s", "mode", "tok/s", "decode tok/s",
-            "speedup", "tok/fwd", "ttft s", "identical")
+    head = ("content", "prompt", "tokens", "mlx-lm tok/s", "(decode)", "ttft s", "mode", "tok/s", "(decode)",
+            "ttft s", "speedup", "(decode)", "tok/fwd", "identical")
     rows = []
     for name, r in report["contents"].items():
         if r["kind"] == "skipped":
-            rows.append((name, "", "", "", "", "", "", "", "", "", "skipped: " + r["reason"]))
+            rows.append((name, *[""] * 12, "skipped: " + r["reason"]))
             continue
         if r["kind"] == "agent":
             for t in r["turns"]:
-                rows.append((f"{name} turn {t['turn']}", str(t["prompt_tokens"]), "", "", r["mode"], "", "",
-                             "", "", f"{t['ttft_s']:.3f}", f"{t['fraction_of_cold']:.1%} of cold"))
+                rows.append((f"{name} turn {t['turn']}", str(t["prompt_tokens"]), "", "", "", "", r["mode"], "", "",
+                             f"{t['ttft_s']:.3f}", "", "", "", f"ttft {t['fraction_of_cold']:.1%} of cold"))
             continue
         peer = r["mlx_lm"]
         for mode, m in r["modes"].items():
             rows.append((name, str(r["prompt_tokens"]), str(m["generated_tokens"]), f"{peer['tok_s']:.1f}",
-                         mode, f"{m['tok_s']:.1f}", f"{m['decode_tok_s']:.1f}", f"{m['speedup']:.2f}x",
-                         f"{m['tokens_per_forward']:.2f}", f"{m['ttft_s']:.3f}",
+                         f"{peer['decode_tok_s']:.1f}", f"{peer['ttft_s']:.3f}", mode, f"{m['tok_s']:.1f}",
+                         f"{m['decode_tok_s']:.1f}", f"{m['ttft_s']:.3f}", f"{m['speedup']:.2f}x",
+                         f"{m['decode_speedup']:.2f}x", f"{m['tokens_per_forward']:.2f}",
                          "yes" if m["identical"] else "NO"))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.ljust(w) if i in (0, 4) else c.rjust(w)
+    line = lambda cells: "  ".join(c.ljust(w) if i in (0, 6, 13) else c.rjust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    return "\n".join(out)
+    return "\n".join(o.rstrip() for o in out)
