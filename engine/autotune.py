@@ -475,7 +475,7 @@ def machine_report(target, kv_bits: int | None = None) -> dict:
     curve = load_cost_curve(curve_key(target, kv_bits))
     quick = curve is None
     if quick:
-        curve = measure_cost_curve(target, widths=(1, 2, 4, 8, 16, 32, 64), depths=(1024,), repeats=2,
+        curve = measure_cost_curve(target, widths=(1, 2, 4, 8, 16, 32, 64), depths=(512,), repeats=2,
                                    kv_bits=kv_bits)
     report = roofline(target, curve)
     report["curve"] = "quick (one depth; `mlx-dspark tune` measures the full curve)" if quick else "cached"

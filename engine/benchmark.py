@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import statistics
 import time
 import uuid
@@ -283,6 +284,9 @@ def _bench_decode(engine, content: Content, modes: list[str], max_draft, trials:
         m["speedup"] = round(m["tok_s"] / peer["tok_s"], 3) if peer["tok_s"] else None
         m["decode_speedup"] = round(m["decode_tok_s"] / peer["decode_tok_s"], 3) if peer["decode_tok_s"] else None
         m["identical"] = all(s.tokens == ref for s, ref in zip(runs[mode], reference))
+        # Each trial's pair ran back to back: their ratio is less exposed to a busy machine's drift.
+        m["paired_speedup"] = round(statistics.median(
+            s.tok_s / p.tok_s for s, p in zip(runs[mode], runs["mlx-lm"]) if p.tok_s), 3)
         result["modes"][mode] = m
     return result
 
@@ -322,7 +326,8 @@ def run_benchmark(
     sampling = sampling or SamplingParams()
     t0 = time.perf_counter()
     report = {
-        "machine": engine.call(lambda target: {**describe_platform(), "device_name": device_name()}),
+        "machine": engine.call(lambda target: {**describe_platform(), "device_name": device_name(),
+                                               "load_average": _load_average()}),
         "model": engine.info(),
         "settings": {"modes": list(modes), "max_draft": max_draft, "trials": trials,
                      "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
@@ -347,7 +352,16 @@ def run_benchmark(
             report["contents"][content.name] = bench_decode(
                 engine, content, list(modes), max_draft, trials, sampling, progress)
     report["seconds"] = round(time.perf_counter() - t0, 1)
+    report["load_average"] = {"start": report["machine"].get("load_average"), "end": _load_average()}
     return report
+
+
+def _load_average() -> list[float] | None:
+    """1/5/15-minute load: how busy the machine was (other processes skew timings)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def format_table(report: dict) -> str:
