@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     m = report["machine"]
     print(f"model {report['model']['model']} ({report['model']['dtype']}); {m['os']}, {m['device_name']}, "
-          f"MLX {m['mlx']}; max draft {args.max_draft}, {args.trials} trials, medians")
+          f"MLX {m['mlx']}; load {report['load_average']['start']} -> {report['load_average']['end']}; "
+          f"max draft {args.max_draft}, {args.trials} trials, medians")
     print(format_bench_table(report))
     return 0
