@@ -26,7 +26,7 @@ from .job_stream import DEFAULT_MAX_BODY_BYTES, Bridge, ClientGone, read_json
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 4096
-OPEN_PATHS = ("/health",)  # reachable without the API key
+OPEN_PATHS = ("/", "/health")  # reachable without the API key
 MAX_CORPUS_CHARS = 2_000_000
 
 
@@ -149,6 +149,7 @@ def create_app(
 ) -> Starlette:
     bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
     routes = [
+        Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/machine", machine, methods=["GET"]),

@@ -81,3 +81,69 @@ def check_anthropic_stream(text: str) -> list[dict]:
     assert open_index is None and next_index >= 1
     assert events[-2]["delta"]["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
     return events
+
+
+def build_agent_sized_model(out, vocab_size: int = 16384, layers: int = 1, context: int = 65536):
+    """A tiny random model whose tokenizer has a real-sized vocabulary (trained here on the
+    Python standard library's source), so a 100 KB agent prompt is ~20k tokens, not ~40k,
+    and whose context fits Claude Code's prompt."""
+    import functools
+    import glob
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    import tiny_models
+
+    lib = sysconfig.get_paths()["stdlib"]
+    texts = [Path(f).read_text(errors="ignore") for f in sorted(glob.glob(lib + "/*.py"))[:80]]
+    saved = tiny_models.TRAINING_TEXT, tiny_models.build_tokenizer
+    try:
+        tiny_models.TRAINING_TEXT = texts + list(saved[0])
+        tiny_models.build_tokenizer = functools.partial(saved[1], vocab_size=vocab_size)
+        out = tiny_models.build_tiny_model(Path(out), layers=layers, context=context)
+    finally:
+        tiny_models.TRAINING_TEXT, tiny_models.build_tokenizer = saved
+    cfg_path = Path(out) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model_max_length"] = context
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    return Path(out)
+
+
+def force_reply(model_dir, after: str, reply: str):
+    """Rewrite a tiny model's weights so that it is a bigram model whose greedy output after
+    the text `after` (e.g. the chat template's generation prompt) is `reply` then EOS,
+    whatever came before: every layer's output projections are zeroed (the residual stream
+    is the current token's embedding) and lm_head maps each token of the chain to the next."""
+    import json
+    from pathlib import Path
+
+    import mlx.core as mx
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    model_dir = Path(model_dir)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config["eos_token_id"]
+    chain = [tok.encode(after, add_special_tokens=False).ids[-1]] + tok.encode(reply, add_special_tokens=False).ids + [eos]
+    assert len(set(chain[:-1])) == len(chain) - 1, "the reply must not repeat a token (or its start token)"
+    weights = {k: np.array(v) for k, v in mx.load(str(model_dir / "model.safetensors")).items()}
+    for k in weights:
+        if k.endswith("self_attn.o_proj.weight") or k.endswith("mlp.down_proj.weight"):
+            weights[k][:] = 0
+    emb, norm_w = weights["model.embed_tokens.weight"], weights["model.norm.weight"]
+    eps = config.get("rms_norm_eps", 1e-6)
+
+    def hidden(t):
+        e = emb[t]
+        return norm_w * e / np.sqrt(np.mean(e * e) + eps)
+
+    head = weights["lm_head.weight"] * 0.01
+    for a, b in zip(chain, chain[1:]):
+        h = hidden(a)
+        head[b] += 100.0 * h / float(h @ h)
+    weights["lm_head.weight"] = head
+    mx.save_safetensors(str(model_dir / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    return model_dir
