@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
                    help="output cap when an OpenAI request sets none")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
     p.add_argument("--root", default=None, help="workspace root for the MCP tools at /mcp (default: current directory)")
+    p.add_argument("--workspace", default=None,
+                   help="root directory the MCP file tools may touch (default: the current directory)")
+    p.add_argument("--no-mcp", action="store_true", help="don't serve MCP (streamable HTTP) at /mcp")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
