@@ -10,10 +10,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine import Done, PrefillProgress, Tokens
+from engine import Done, EngineError, PrefillProgress, Tokens
 
-from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, get_stops, text_of, tool_call
-from .http_errors import ApiError, bad_request, openai_body
+from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
+from .http_errors import ApiError, bad_request, from_engine_error, openai_body
 from .job_stream import SSE_HEADERS, Bridge, ClientGone, Generation, read_json, sse
 from .tool_calls import OutputParser, Segment, parse_text
 
@@ -225,10 +225,6 @@ async def completions(request: Request):
     req, prompt = parse_completion(body, bridge.default_max_tokens)
     include_usage = _include_usage(body)
     ids = await bridge.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    from .chat_request import check_context
-    from .http_errors import from_engine_error
-    from engine import EngineError
-
     try:
         check_context(ids, bridge.context_window)
     except EngineError as e:

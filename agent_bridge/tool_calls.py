@@ -149,6 +149,9 @@ class OutputParser:
                 out.append(Segment("thinking", self.buf))
         else:
             self._text(self.buf, out)
+        if self.pending_ws:  # trailing whitespace is the model's text too (say, before a stop string)
+            out.append(Segment("text", self.pending_ws))
+            self.pending_ws = ""
         self.buf, self.state = "", "text"
         return out
 

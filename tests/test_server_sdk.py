@@ -153,6 +153,29 @@ def test_anthropic_tool_use(claude, server):
     assert count.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
 
 
+def test_stop_sequences_and_concurrent_clients(claude, oai):
+    m = claude.messages.create(model="local", max_tokens=20, messages=[{"role": "user", "content": ASK_TEXT}],
+                               stop_sequences=["there"])
+    assert m.content[0].text == "Hello " and m.stop_reason == "stop_sequence" and m.stop_sequence == "there"
+    r = oai.chat.completions.create(model="local", messages=[{"role": "user", "content": ASK_TEXT}], stop="!")
+    assert r.choices[0].message.content == "Hello there"
+    # many clients at once: each is queued to the one engine thread and gets its own whole answer
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i):
+        if i % 2:
+            return claude.messages.create(model="m", max_tokens=20, messages=[{"role": "user", "content": ASK_TEXT}]
+                                          ).content[0].text
+        return oai.chat.completions.create(model="m", messages=[{"role": "user", "content": ASK_TEXT}], stream=True,
+                                           max_tokens=20)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(ask, range(6)))
+    texts = [r if isinstance(r, str) else "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+             for r in results]
+    assert texts == ["Hello there!"] * 6
+
+
 def test_responses_api(oai):
     r = oai.responses.create(model="local", input=ASK_TEXT, max_output_tokens=20)
     assert r.output_text == "Hello there!" and r.status == "completed"
