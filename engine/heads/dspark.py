@@ -50,10 +50,6 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1)
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 class DSparkHead(Backbone):
     kind = "dspark"
 
@@ -69,25 +65,10 @@ class DSparkHead(Backbone):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
         if cfg.draft_vocab_size:
             self.d2t = mx.zeros((cfg.draft_vocab_size,), dtype=mx.int64)
-        self._np = None
 
     @property
     def max_draft(self) -> int:
         return self.cfg.block_size
-
-    def _numpy_weights(self) -> dict:
-        # The Markov walk is sequential and tiny: numpy avoids one MLX sync per step.
-        if self._np is None:
-            m = self.markov_head
-            w = {"w1": np.array(m.markov_w1.weight, dtype=np.float32), "w2": np.array(m.markov_w2.weight, dtype=np.float32)}
-            for name in ("gate_proj", "joint_proj"):
-                if name in m:
-                    w[name] = (np.array(m[name].weight, dtype=np.float32), np.array(m[name].bias, dtype=np.float32))
-            if "confidence_head" in self:
-                p = self.confidence_head.proj
-                w["conf"] = (np.array(p.weight, dtype=np.float32)[0], float(np.array(p.bias, dtype=np.float32)[0]))
-            self._np = w
-        return self._np
 
     def base_logits(self, target, h: mx.array) -> mx.array:
         if "lm_head" not in self:
@@ -100,6 +81,27 @@ class DSparkHead(Backbone):
         full[:, ids] = logits
         return full
 
+    def _step(self, h_i: mx.array, prev: int, state: mx.array | None):
+        """Markov bias for one step (and the confidence logit), given the previous token."""
+        m = self.markov_head
+        e = m.markov_w1.weight[prev]
+        kind = self.cfg.markov_head_type
+        if kind == "gated":
+            e_eff = mx.sigmoid(m.gate_proj(mx.concatenate([h_i, e]))) * e
+            bias = m.markov_w2(e_eff)
+        elif kind == "rnn":
+            g, c, o = mx.split(m.joint_proj(mx.concatenate([state, e, h_i])), 3)
+            g = mx.sigmoid(g)
+            state = g * state + (1.0 - g) * mx.tanh(c)
+            bias = m.markov_w2(mx.tanh(o))
+        else:
+            bias = m.markov_w2(e)
+        conf = None
+        if "confidence_head" in self:
+            feat = mx.concatenate([h_i, e]) if self.cfg.confidence_head_with_markov else h_i
+            conf = mx.sigmoid(self.confidence_head.proj(feat))[0]
+        return bias, conf, state
+
     def draft(self, target, anchor: int, ctx, position: int, max_len: int,
               sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
         n = min(max_len, self.max_draft)
@@ -108,37 +110,22 @@ class DSparkHead(Backbone):
         h = self(embed(block)[None], ctx, position)[0, :n]
         base = self.base_logits(target, h)
         mx.eval(h, base)
-        h_np, base_np = np.array(h, dtype=np.float32), np.array(base, dtype=np.float32)
-        w = self._numpy_weights()
-        kind, thr = self.cfg.markov_head_type, self.cfg.confidence_threshold
-        state = np.zeros(self.cfg.markov_rank, dtype=np.float32)
+        thr = self.cfg.confidence_threshold
+        state = mx.zeros((self.cfg.markov_rank,), dtype=h.dtype) if self.cfg.markov_head_type == "rnn" else None
         prev, tokens, qs, alive = anchor, [], [], 1.0
+        # The walk is sequential (each step's bias depends on the token just chosen): one
+        # small graph and one sync per step.
         for i in range(n):
-            e = w["w1"][prev]
-            if kind == "gated":
-                gw, gb = w["gate_proj"]
-                e_eff = _sigmoid(gw @ np.concatenate([h_np[i], e]) + gb) * e
-                bias = w["w2"] @ e_eff
-            elif kind == "rnn":
-                jw, jb = w["joint_proj"]
-                z = jw @ np.concatenate([state, e, h_np[i]]) + jb
-                g, c, o = np.split(z, 3)
-                g = _sigmoid(g)
-                state = g * state + (1.0 - g) * np.tanh(c)
-                bias = w["w2"] @ np.tanh(o)
-            else:
-                bias = w["w2"] @ e
-            if "conf" in w:
-                cw, cb = w["conf"]
-                feat = np.concatenate([h_np[i], e]) if self.cfg.confidence_head_with_markov else h_np[i]
-                alive *= float(_sigmoid(cw @ feat + cb))
+            bias, conf, state = self._step(h[i], prev, state)
+            logits = base[i] + bias
+            if conf is not None:
+                alive *= conf.item()
                 if alive < thr:
                     break
-            logits = base_np[i] + bias
             if sampling.greedy:
-                tok = int(np.argmax(logits))
+                tok = int(mx.argmax(logits).item())
             else:
-                q = target_probs(mx.array(logits[None]), sampling)[0]
+                q = target_probs(logits[None], sampling)[0]
                 tok = int(rng.choice(q.shape[0], p=q))
                 qs.append(q)
             tokens.append(tok)

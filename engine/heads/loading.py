@@ -221,7 +221,7 @@ def _cast_floats(head: nn.Module, dtype: mx.Dtype) -> None:
 
 def quantize_head(head: nn.Module, bits: int, group_size: int = 64) -> None:
     """Quantise the backbone's linear layers (where the bulk of the bytes is); the small
-    Markov/confidence heads stay in float, since their walk runs in numpy."""
+    Markov/confidence heads stay in float (small, and read one row per draft step)."""
     if bits not in (2, 3, 4, 6, 8):
         raise DrafterLoadError(f"drafter quantisation supports 2, 3, 4, 6 or 8 bits, not {bits}")
 
