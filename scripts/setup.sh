@@ -15,3 +15,7 @@ fi
 if command -v npm >/dev/null && [ ! -x .node/node_modules/.bin/claude ]; then
   npm install --prefix .node --silent --no-audit --no-fund @anthropic-ai/claude-code >/dev/null
 fi
+# The real Codex CLI (OpenAI Responses API) for the server tests.
+if command -v npm >/dev/null && [ ! -x .node/node_modules/.bin/codex ]; then
+  npm install --prefix .node --silent --no-audit --no-fund @openai/codex >/dev/null
+fi

@@ -1,5 +1,5 @@
-"""Claude Code against the server: the recorded session replayed request by request, and
-the real Claude Code CLI in -p mode.
+"""Real agents against the server: Claude Code's recorded session replayed request by
+request, the real Claude Code CLI in -p mode, and the real Codex CLI (Responses API).
 
 The model: a tiny random model with a real-sized vocabulary (Claude Code's prompt is then
 ~15-25k tokens) whose weights are rewritten into a bigram chain, so that its greedy reply
@@ -24,6 +24,7 @@ from server_harness import RunningServer, build_agent_sized_model, check_anthrop
 REPLY = "Hi from mlx-dspark."
 REPO = Path(__file__).resolve().parents[1]
 CLAUDE = REPO / ".node" / "node_modules" / ".bin" / "claude"
+CODEX = REPO / ".node" / "node_modules" / ".bin" / "codex"
 SKIP_HEADERS = {"content-length", "host", "accept-encoding", "connection"}
 
 
@@ -102,3 +103,25 @@ def test_claude_code_cli(server, tmp_path):
     assert result["subtype"] == "success" and result["is_error"] is False, result
     assert result["result"] == REPLY
     assert result["usage"]["input_tokens"] + result["usage"]["cache_read_input_tokens"] > 5000  # its whole prompt
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed (scripts/setup.sh needs npm)")
+def test_codex_cli(server, tmp_path):
+    if not CODEX.exists():
+        pytest.skip(f"{CODEX} is absent: run scripts/setup.sh")
+    codex_home = tmp_path / ".codex"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(
+        'model = "local"\nmodel_provider = "mlx"\n\n[model_providers.mlx]\nname = "mlx-dspark"\n'
+        f'base_url = "{server.url}/v1"\nwire_api = "responses"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.startswith("OPENAI_")}
+    env.update(HOME=str(tmp_path), CODEX_HOME=str(codex_home))
+    p = subprocess.run([str(CODEX), "exec", "--skip-git-repo-check", "--json", "say hi"], env=env, cwd=tmp_path,
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    events = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
+                and e["item"].get("type") == "agent_message"]
+    assert messages == [REPLY]
+    (done,) = [e for e in events if e.get("type") == "turn.completed"]
+    assert done["usage"]["input_tokens"] > 1000 and done["usage"]["output_tokens"] >= 1
