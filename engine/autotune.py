@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +24,9 @@ from typing import Callable
 
 CURVE_FORMAT = 1
 MAX_WIDTH = 64
-DEFAULT_WIDTHS = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64)
+DEFAULT_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # interpolated between
 DEFAULT_DEPTHS = (256, 2048, 8192)
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = 4
 # Without a measurement, assume each extra token in a verify pass costs 15% of a
 # one-token step (a small model on a CPU); a large model or a GPU is cheaper.
 DEFAULT_MARGINAL_COST = 0.15
@@ -304,7 +305,7 @@ def measure_cost_curve(
     seed: int = 0,
     kv_bits: int | None = None,
 ) -> CostCurve:
-    """Time target forwards of each width at each context depth (best of `repeats`).
+    """Time target forwards of each width at each context depth (median of `repeats` sweeps).
 
     The context is random token ids: attention cost depends on its length, not its text.
     Each pass is rolled back, so every width is measured at the same depth.
@@ -335,9 +336,10 @@ def measure_cost_curve(
             target.forward(context[depth:], cache)
             mx.eval([c.state for c in cache])
             target.rollback(cache, 1)
-        # Whole sweeps over the widths, best pass per width: a burst of interference
-        # from other processes then spoils one pass of several widths, not a width.
-        best = [float("inf")] * len(widths)
+        # Whole sweeps over the widths, median pass per width: a burst of interference
+        # from other processes then spoils one pass of several widths, not a width. (Not the
+        # best pass: on a busy machine wide passes suffer more, and the verify loop sees that.)
+        passes: list[list[float]] = [[] for _ in widths]
         draws = {w: rng.integers(0, vocab, size=w).tolist() for w in widths}
         for sweep in range(repeats + 1):  # sweep 0 warms every shape up
             for i, w in enumerate(widths):
@@ -347,11 +349,11 @@ def measure_cost_curve(
                 dt = time.perf_counter() - t0
                 target.rollback(cache, w)
                 if sweep:
-                    best[i] = min(best[i], dt)
+                    passes[i].append(dt)
                     done += 1
                     if on_progress:
                         on_progress(f"depth {depth} width {w} pass {sweep}/{repeats}", done, total)
-        row = [round(t, 7) for t in best]
+        row = [round(statistics.median(p), 7) for p in passes]
         # Interference on a shared machine only ever adds time: a narrower pass measured
         # slower than a wider one was disturbed, so it is capped at the wider one's time.
         for i in range(len(row) - 2, -1, -1):
