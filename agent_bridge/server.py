@@ -83,8 +83,23 @@ def _route_label(request_path: str, routes: Sequence[Any]) -> str:
     return "other"
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+def _origin_allowed(scope) -> bool:
+    """Agents and SDKs send no Origin; a browser does. A web page must not drive the local
+    model (or feed its corpus) behind the user's back, DNS rebinding included."""
+    from urllib.parse import urlsplit
+
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"origin":
+            origin = v.decode("latin-1")
+            return origin != "null" and (urlsplit(origin).hostname or "") in LOOPBACK_HOSTS
+    return True
+
+
 class GuardMiddleware:
-    """API key check on every route but /health, and request metrics by route and status."""
+    """Origin and API key checks (the key on every route but /health), and request metrics."""
 
     def __init__(self, app: Callable, bridge: Bridge, api_key: str | None, routes: Sequence[Any]):
         self.app, self.bridge, self.api_key, self.routes = app, bridge, api_key, routes
@@ -101,6 +116,9 @@ class GuardMiddleware:
             await send(message)
 
         try:
+            if not _origin_allowed(scope):
+                response = error_response(ApiError(403, "cross-origin requests from web pages are refused"), path)
+                return await response(scope, receive, send_wrapper)
             if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
                 response = error_response(ApiError(401, "invalid or missing API key: send "
                                                    "'Authorization: Bearer KEY' or 'x-api-key: KEY'"), path)

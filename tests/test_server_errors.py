@@ -92,6 +92,10 @@ CASES = [
      "request_too_large", "limit"),
     ("unknown route", "POST", "/v1/engines/davinci", {"json": {}}, 404, O, "not_found_error", "no route"),
     ("wrong method", "GET", "/v1/messages", {}, 405, A, "invalid_request_error", "not allowed"),
+    ("cross-origin web page", "POST", "/v1/chat/completions", {"json": oc(), "headers": {"Origin": "https://evil.example"}},
+     403, O, "permission_error", "cross-origin"),
+    ("cross-origin corpus", "POST", "/v1/corpus", {"json": {"text": "x"}, "headers": {"Origin": "http://evil.example:8080"}},
+     403, O, "permission_error", "cross-origin"),
     ("unknown model id", "GET", "/v1/models/gpt-17", {}, 404, O, "not_found_error", "gpt-17"),
 ]
 
@@ -125,6 +129,8 @@ def test_hostile_requests(server):
         # still serving normally
         ok = client.post("/v1/messages", json=am(max_tokens=4))
         assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 4
+        ok = client.post("/v1/chat/completions", json=oc(max_tokens=4), headers={"Origin": "http://localhost:3000"})
+        assert ok.status_code == 200
         ok = client.post("/v1/chat/completions", json=oc(max_tokens=4, stream=True))
         assert ok.status_code == 200 and ok.text.rstrip().endswith("data: [DONE]")
 
