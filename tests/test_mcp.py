@@ -171,8 +171,8 @@ def test_rename_apply_writes_atomically(forced_engine, ws):
 
 
 def test_rename_is_all_or_nothing(forced_engine, ws):
-    # the model knows calc.py but garbles other.py: neither file may be written
-    (ws / "other.py").write_text("add = 1\nadd += 1\n")
+    # calc.py gets a sound rename, then other.py is refused (not UTF-8): neither file may be written
+    (ws / "other.py").write_bytes("add = 'caf\xe9'\n".encode("latin-1"))
     server = build_server(EngineBackend(forced_engine), Workspace(ws))
     before = snapshot(ws)
     result = call(server, "rename_symbol", {"paths": ["calc.py", "other.py"], "old": "add", "new": "plus", "apply": True})
