@@ -24,7 +24,7 @@ def test_serve_command(tiny_model_dir, tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "agent_bridge.cli", "serve", "--model", str(tiny_model_dir),
-                             "--port", str(port), "--api-key", "k", "--workspace", str(tmp_path),
+                             "--port", str(port), "--api-key", "k", "--root", str(tmp_path),
                              "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, MLX_DSPARK_NO_REEXEC="1"))
     url = f"http://127.0.0.1:{port}"

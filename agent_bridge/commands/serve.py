@@ -19,8 +19,6 @@ def add_parser(sub) -> None:
                    help="output cap when an OpenAI request sets none")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
     p.add_argument("--root", default=None, help="workspace root for the MCP tools at /mcp (default: current directory)")
-    p.add_argument("--workspace", default=None,
-                   help="root directory the MCP file tools may touch (default: the current directory)")
     p.add_argument("--no-mcp", action="store_true", help="don't serve MCP (streamable HTTP) at /mcp")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
@@ -36,10 +34,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--default-max-tokens must be >= 1")
     with engine_from_args(args) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
-              f"(context {engine.context_window} tokens)", flush=True)
-        from agent_bridge.mcp_server import http_mount
+              f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
+        mcp_routes, mcp_lifespan = (), None
+        if not args.no_mcp:
+            from agent_bridge.mcp_server import http_mount
 
-        mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
+            mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
               default_max_tokens=args.default_max_tokens, model_name=args.model_name,
               extra_routes=mcp_routes, lifespan=mcp_lifespan)
