@@ -88,6 +88,26 @@ def test_replay_rename_session(server, agent_engine, fixtures_dir):
     assert cached_share(again) > 0.99
 
 
+def test_replay_long_session(server, agent_engine, fixtures_dir):
+    """Eight agent-sized requests (files read, shell commands, an edit): each accepted, well-formed,
+    and each turn starts from the previous one's cached prefix."""
+    path = fixtures_dir / "claude-code" / "long-session.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    previous = 0
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        for i, record in enumerate(records):
+            events, text = replay(client, record)
+            assert text == REPLY
+            usage = events[0]["message"]["usage"]
+            prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+            assert prompt > previous  # append-only turns
+            if i and agent_engine.info().get("prefix_cache") is not None:
+                assert usage["cache_read_input_tokens"] >= previous - 64, (i, usage, previous)
+            previous = prompt
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed (scripts/setup.sh needs npm)")
 def test_claude_code_cli(server, tmp_path):
     if not CLAUDE.exists():
