@@ -20,7 +20,7 @@ from engine import Done, PrefillProgress, Tokens
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, anthropic_body, bad_request
-from .job_stream import SSE_HEADERS, Bridge, ClientGone, Generation, read_json, sse
+from .job_stream import SSE_HEADERS, Bridge, ClientGone, Generation, Heartbeat, read_json, sse
 from .tool_calls import OutputParser, Segment, parse_text
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -273,14 +273,18 @@ async def stream(gen: Generation, req: ChatRequest, ids: list[int], model: str, 
     message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": model, "content": [],
                "stop_reason": None, "stop_sequence": None, "usage": _usage(len(ids), gen.cached_tokens, 0)}
     yield sse("message_start", {"type": "message_start", "message": message})
+    beat = Heartbeat()
     try:
         async for event in gen.events():
             if isinstance(event, PrefillProgress):
                 yield sse("ping", {"type": "ping"})  # keeps the client patient during a long prefill
             elif isinstance(event, Tokens):
-                for seg in parser.feed(event.text):
+                segs = parser.feed(event.text)
+                for seg in segs:
                     for line in emit(seg):
                         yield line
+                if beat.due(bool(segs)):
+                    yield sse("ping", {"type": "ping"})
     except ApiError as e:
         yield sse("error", anthropic_body(e))
         return

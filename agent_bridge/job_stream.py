@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -203,6 +204,22 @@ def sse(event: str | None, data: Any) -> str:
 
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+class Heartbeat:
+    """While output is held back (a tool call being written), send a keep-alive now and then:
+    clients with a stream-idle timeout would otherwise give up on a long call."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s = every_s
+        self.last = time.monotonic()
+
+    def due(self, emitted: bool) -> bool:
+        now = time.monotonic()
+        if emitted or now - self.last >= self.every_s:
+            self.last = now
+            return not emitted
+        return False
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

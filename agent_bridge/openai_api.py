@@ -14,7 +14,7 @@ from engine import Done, EngineError, PrefillProgress, Tokens
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
-from .job_stream import SSE_HEADERS, Bridge, ClientGone, Generation, read_json, sse
+from .job_stream import SSE_HEADERS, Bridge, ClientGone, Generation, Heartbeat, read_json, sse
 from .tool_calls import OutputParser, Segment, parse_text
 
 FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled": "stop"}
@@ -184,13 +184,17 @@ async def stream_chat(gen: Generation, ids: list[int], model: str, parser: Outpu
                                       "function": {"name": c.name, "arguments": c.arguments_json}}]})
 
     yield chunk({"role": "assistant", "content": ""})
+    beat = Heartbeat()
     try:
         async for event in gen.events():
             if isinstance(event, PrefillProgress):
                 yield ": prefill\n\n"  # an SSE comment: keeps proxies and clients from timing out
             elif isinstance(event, Tokens):
-                for seg in parser.feed(event.text):
+                segs = parser.feed(event.text)
+                for seg in segs:
                     yield emit(seg)
+                if beat.due(bool(segs)):
+                    yield ": generating\n\n"
     except ApiError as e:
         yield sse(None, openai_body(e))
         return

@@ -18,7 +18,7 @@ from engine import PrefillProgress, Tokens
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, text_of, tool_call
 from .http_errors import ApiError, bad_request, openai_body
-from .job_stream import SSE_HEADERS, Bridge, ClientGone, read_json, sse
+from .job_stream import SSE_HEADERS, Bridge, ClientGone, Heartbeat, read_json, sse
 from .tool_calls import OutputParser, Segment
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -234,14 +234,18 @@ async def stream(gen, parser: OutputParser, response: dict, finish):
 
     yield ev("response.created", response=response)
     yield ev("response.in_progress", response=response)
+    beat = Heartbeat()
     try:
         async for event in gen.events():
             if isinstance(event, PrefillProgress):
                 yield ": prefill\n\n"
             elif isinstance(event, Tokens):
-                for seg in parser.feed(event.text):
+                segs = parser.feed(event.text)
+                for seg in segs:
                     for line in emit(seg):
                         yield line
+                if beat.due(bool(segs)):
+                    yield ": generating\n\n"
     except ApiError as e:
         response["status"] = "failed"
         response["error"] = {"code": openai_body(e)["error"]["code"] or "server_error", "message": e.message}

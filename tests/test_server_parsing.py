@@ -120,3 +120,12 @@ def test_openai_and_responses_translation():
     with pytest.raises(ApiError) as e:
         responses_api.parse_request({"input": "q", "previous_response_id": "resp_1"}, 16)
     assert e.value.status == 400 and "previous_response_id" in e.value.message
+
+
+def test_heartbeat_only_while_nothing_is_emitted():
+    from agent_bridge.job_stream import Heartbeat
+
+    beat = Heartbeat(every_s=0.0)
+    assert beat.due(False) and not beat.due(True) and beat.due(False)
+    slow = Heartbeat(every_s=3600)
+    assert not slow.due(False) and not slow.due(True)
