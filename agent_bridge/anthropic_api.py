@@ -13,14 +13,14 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine import Done, PrefillProgress, Tokens
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, anthropic_body, bad_request
-from .job_stream import SSE_HEADERS, Bridge, ClientGone, Generation, Heartbeat, read_json, sse
+from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
 from .tool_calls import OutputParser, Segment, parse_text
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -217,8 +217,7 @@ async def messages(request: Request):
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
     if req.stream:
-        return StreamingResponse(stream(gen, req, ids, model, _parser(bridge, req, ids)),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(stream(gen, req, ids, model, _parser(bridge, req, ids)), gen)
     text = ""
     async for event in gen.events():
         if isinstance(event, Tokens):

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from engine import Done, EngineError, PrefillProgress
 
@@ -223,3 +224,24 @@ class Heartbeat:
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that always ends its job: also when the client is gone before the
+    body started (Starlette then never iterates, so the generator's own cleanup never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], gen: Generation):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except RuntimeError:  # still running in a cancelled task: it ends with that task
+                    pass

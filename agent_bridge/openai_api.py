@@ -7,14 +7,14 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine import Done, EngineError, PrefillProgress, Tokens
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
-from .job_stream import SSE_HEADERS, Bridge, ClientGone, Generation, Heartbeat, read_json, sse
+from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
 from .tool_calls import OutputParser, Segment, parse_text
 
 FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled": "stop"}
@@ -133,8 +133,7 @@ async def chat_completions(request: Request):
     thinking = bridge.starts_thinking(ids)
     if req.stream:
         parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
-        return StreamingResponse(stream_chat(gen, ids, model, parser, include_usage),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(stream_chat(gen, ids, model, parser, include_usage), gen)
     text = await collect(gen)
     segs = parse_text(text, bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
     message: dict = {"role": "assistant", "content": "".join(s.text for s in segs if s.kind == "text") or None}
@@ -264,7 +263,7 @@ async def completions(request: Request):
             yield sse(None, {**base, "choices": [], "usage": usage(len(ids), done)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStream(events(), gen)
 
 
 def _model_card(bridge: Bridge) -> dict:

@@ -11,14 +11,14 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engine import PrefillProgress, Tokens
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, text_of, tool_call
 from .http_errors import ApiError, bad_request, openai_body
-from .job_stream import SSE_HEADERS, Bridge, ClientGone, Heartbeat, read_json, sse
+from .job_stream import Bridge, ClientGone, EventStream, Heartbeat, read_json, sse
 from .tool_calls import OutputParser, Segment
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -163,8 +163,7 @@ async def responses(request: Request):
         response["output"] = [_item(s) for s in merged]
         finish()
         return JSONResponse(response)
-    return StreamingResponse(stream(gen, parser, response, finish), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return EventStream(stream(gen, parser, response, finish), gen)
 
 
 async def stream(gen, parser: OutputParser, response: dict, finish):
