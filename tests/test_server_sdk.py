@@ -247,3 +247,27 @@ def test_client_disconnect_cancels_generation(tiny_engine):
                        json={"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 3
         assert 'mlx_dspark_generations_by_finish_total{finish="cancelled"} 1' in httpx.get(srv.url + "/metrics").text
+
+
+def test_client_gone_while_queued_is_never_run(tiny_engine):
+    """A request whose client hangs up while it waits behind another is dropped from the queue."""
+    app = create_app(tiny_engine)
+    metrics = app.state.bridge.metrics
+    long = {"model": "m", "max_tokens": 100000, "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    with RunningServer(app) as srv:
+        with httpx.stream("POST", srv.url + "/v1/messages", json=long, timeout=60) as first:
+            lines = first.iter_lines()
+            while "text_delta" not in next(lines):
+                pass
+            with pytest.raises(httpx.ReadTimeout):  # queued behind the first: no answer yet, give up
+                httpx.post(srv.url + "/v1/chat/completions", timeout=httpx.Timeout(60, read=1.0),
+                           json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000, "stream": True})
+            deadline = time.monotonic() + 30
+            while metrics.in_flight > 1 and time.monotonic() < deadline:  # noticed while still queued
+                time.sleep(0.05)
+            assert metrics.in_flight == 1
+        deadline = time.monotonic() + 60
+        while metrics.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metrics.in_flight == 0 and metrics.finishes["cancelled"] == 1
+        assert sum(metrics.finishes.values()) == 1  # the queued one never generated
