@@ -27,6 +27,7 @@ from .metrics import Metrics
 from .tool_calls import Syntax, syntax_for
 
 DISCONNECT_POLL_S = 0.5
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class ClientGone(Exception):
@@ -51,10 +52,16 @@ class Bridge:
         name = model_name or Path(str(engine.info().get("model", "local-model"))).name or "local-model"
         return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer))
 
+    def _locked(self, fn, *args):
+        # Hugging Face fast tokenizers mutate their Rust state per call ("Already borrowed"
+        # when two threads encode at once): one tokenizer call at a time.
+        with _TOKENIZER_LOCK:
+            return fn(*args)
+
     async def prompt_ids(self, req: ChatRequest, check: bool = True) -> list[int]:
         """Render the chat (tokenizing a 15k-token prompt takes a while: off the loop)."""
         try:
-            ids = await anyio.to_thread.run_sync(render, self.engine, req)
+            ids = await anyio.to_thread.run_sync(self._locked, render, self.engine, req)
             if check:
                 check_context(ids, self.context_window)
         except EngineError as e:
@@ -62,7 +69,7 @@ class Bridge:
         return ids
 
     async def encode(self, text: str) -> list[int]:
-        return await anyio.to_thread.run_sync(self.engine.encode, text)
+        return await anyio.to_thread.run_sync(self._locked, self.engine.encode, text)
 
     def clamp_max_tokens(self, max_tokens: int, prompt_len: int) -> int:
         return max(1, min(max_tokens, self.context_window - prompt_len))
