@@ -19,8 +19,7 @@ from ..sampling import SamplingParams
 from .backbone import ContextCache
 
 DEFAULT_CONTEXT_LIMIT = 4096  # most recent context positions the head attends to
-LOOKUP_OVERRIDE = 8  # lookup's draft replaces the head's when it is this long and fills the cap
-# (or reaches 16: lookup drafts 16+ tokens only for a verbatim match of 8+ tokens)
+LOOKUP_OVERRIDE = 8  # a verbatim lookup match this long replaces the head's draft for the round
 
 
 class HeadDrafter(Drafter):
@@ -67,11 +66,12 @@ class HeadDrafter(Drafter):
         if max_len <= 0 or not self.tokens:
             return Draft([])
         if self.lookup is not None:
-            found = self.lookup.propose(max_len)
-            n = len(found.tokens)
-            if n >= LOOKUP_OVERRIDE and n >= min(max_len, 2 * LOOKUP_OVERRIDE):
+            # Ask lookup as if the cap were large: it drafts 2 x LOOKUP_OVERRIDE tokens or more
+            # only for a verbatim match of LOOKUP_OVERRIDE+ tokens, whatever this round's cap.
+            found = self.lookup.propose(max(max_len, 2 * LOOKUP_OVERRIDE))
+            if len(found.tokens) >= 2 * LOOKUP_OVERRIDE:
                 self.source = "lookup"
-                return found
+                return Draft(found.tokens[:max_len])
         self._flush()
         position = len(self.tokens) - 1  # the anchor's: every earlier token is in the target's cache
         tokens, q = self.head.draft(self.target, self.tokens[-1], self.ctx.kv, position, max_len,
