@@ -239,3 +239,22 @@ def test_confidence_head_ends_the_draft_where_its_estimate_falls(tiny_target, ti
     assert lengths[0.0] == head.max_draft == 7
     assert lengths[1.0] == 0  # no estimate reaches certainty
     assert lengths[0.0] >= lengths[0.2] >= lengths[1.0]
+
+
+def test_long_prompt_keeps_a_recent_window(tiny_target, tiny_heads):
+    """With a context limit, old prefill chunks are dropped and the rest keep their positions:
+    the head's keys equal those of a full pass restricted to the window."""
+    head = load_head(tiny_heads["dflash"], tiny_target)
+    prompt = tiny_target.encode(" ".join(PROMPTS) * 3)
+    drafter = HeadDrafter(head, tiny_target, [], lookup_override=False, context_limit=40)
+    drafter.start(prompt)
+    prefill(tiny_target, tiny_target.make_cache(), prompt[:-1], chunk_size=16,
+            on_hidden=drafter.observe_prefill, tap_layers=drafter.tap_layers)
+    assert sum(c.shape[0] for c in drafter.prefill_chunks) < 40 + 16
+    drafter._flush()
+    _, full = tiny_target.forward_tapped(prompt[:-1], tiny_target.make_cache(), drafter.tap_layers)
+    start = len(prompt) - 1 - 40
+    want = head.context_kv(full[start:], start)
+    assert len(drafter.ctx) == 40
+    for (k1, v1), (k2, v2) in zip(drafter.ctx.kv, want):
+        assert mx.allclose(k1, k2, atol=1e-4) and mx.allclose(v1, v2, atol=1e-4)

@@ -51,6 +51,11 @@ class HeadDrafter(Drafter):
 
     def observe_prefill(self, hidden: mx.array) -> None:
         self.prefill_chunks.append(hidden)
+        # Positions are counted back from the prompt's end, so the oldest chunks can go as
+        # soon as the window is full without them (a 30k-token prompt keeps ~limit rows).
+        limit = self.context_limit
+        while limit and sum(int(c.shape[0]) for c in self.prefill_chunks[1:]) >= limit:
+            self.prefill_chunks.pop(0)
 
     def commit(self, tokens: list[int], drafted: int, accepted: int, hidden=None) -> None:
         self._place_prefill()
