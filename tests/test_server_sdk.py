@@ -265,9 +265,11 @@ def test_client_gone_while_queued_is_never_run(tiny_engine):
             deadline = time.monotonic() + 30
             while metrics.in_flight > 1 and time.monotonic() < deadline:  # noticed while still queued
                 time.sleep(0.05)
-            assert metrics.in_flight == 1
+            assert metrics.in_flight == 1, metrics.in_flight
         deadline = time.monotonic() + 60
         while metrics.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert metrics.in_flight == 0 and metrics.finishes["cancelled"] == 1
-        assert sum(metrics.finishes.values()) == 1  # the queued one never generated
+        assert metrics.in_flight == 0
+        # one generation finished (the first: cancelled, or at its length on a fast machine); the
+        # queued one never ran
+        assert sum(metrics.finishes.values()) == 1, dict(metrics.finishes)
