@@ -43,6 +43,8 @@ def tiny_heads(tiny_model_dir, tmp_path_factory):
             tc, mask_token_id=0, target_layer_ids=[0, 1], block_size=8), seed=1),
         "dspark": random_head_checkpoint(root / "dspark", dspark_config(
             tc, mask_token_id=0, target_layer_ids=[-1, 1], markov_rank=16), seed=2),
+        "dflash2": random_head_checkpoint(root / "dflash2", dflash_config(
+            tc, mask_token_id=0, target_layer_ids=[0, 1], block_size=6, version=2), seed=4),
         "dspark_gated": random_head_checkpoint(root / "dspark_gated", dspark_config(
             tc, mask_token_id=0, target_layer_ids=[1], markov_rank=8, markov_head_type="gated",
             confidence=False, layers=2), seed=3),
@@ -72,11 +74,11 @@ def test_taps_refuse_unsupported_families_and_layers(tiny_target, monkeypatch):
         tiny_target.forward_tapped([1, 2], tiny_target.make_cache(), (0,))
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark", "dspark_gated"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "dspark_gated"])
 def test_greedy_equals_plain_decoding(tiny_model_dir, tiny_heads, kind):
     with Engine(str(tiny_model_dir), drafter=str(tiny_heads[kind])) as engine:
         mode = engine.call(lambda t: next(iter(t.heads)))
-        assert mode == kind.split("_")[0]
+        assert mode == kind.split("_")[0].rstrip("2")
         for text in [*PROMPTS, PROMPTS[0]]:  # the repeat is served from the prefix cache
             ids = engine.encode(text)
             base = list(engine.generate(GenerationRequest(ids, max_tokens=40, mode="baseline")))[-1]
@@ -164,7 +166,7 @@ def test_sampling_with_the_heads_own_q_keeps_the_target_distribution(tiny_target
         assert ok, f"{kind} {name} token: chi2 {stat:.1f} > {crit:.1f}"
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 def test_draft_tokens_follow_the_reported_q(tiny_target, tiny_heads, kind):
     """Draft.q is the distribution the draft was drawn from: position 0 against q[0], and
     position 1 (given the most frequent position-0 token, for DSpark's Markov walk) against q[1]."""

@@ -101,13 +101,24 @@ def test_pairing_errors_are_clear(target, tc, tmp_path, tiny_llama_dir):
         load_head(random_head_checkpoint(tmp_path / "mask", masked), target)
 
 
+def test_zlab_dflash2_layout_loads(target, tc, tmp_path):
+    cfg = dflash_config(tc, mask_token_id=0, target_layer_ids=[0, 1], version=2, conv_kernel_size=2,
+                        conv_group_size=16, selector_rank=8, selector_top_k=4)
+    path = random_head_checkpoint(tmp_path / "v2", cfg)
+    names = set(_weights(path))
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel",
+            "layers.0.mlp_conv.kernel_projection.weight"} <= names  # z-lab's names, codebooks bare
+    head = load_head(path, target)
+    assert type(head).__name__ == "DFlash2Head" and head.candidate_selector.top_k == 4
+    broken = dict(cfg, dflash_config=dict(cfg["dflash_config"], conv_group_size=0))
+    (tmp_path / "v2b").mkdir()
+    (tmp_path / "v2b" / "config.json").write_text(json.dumps(broken))
+    with pytest.raises(DrafterLoadError, match="DFlash 2 config needs"):
+        load_head(tmp_path / "v2b")
+
+
 def test_unsupported_architectures_are_refused(tc, tmp_path):
-    v2 = dflash_config(tc, mask_token_id=0, target_layer_ids=[0])
-    v2["architectures"] = ["DFlash2DraftModel"]
-    (tmp_path / "v2").mkdir()
-    (tmp_path / "v2" / "config.json").write_text(json.dumps(v2))
-    with pytest.raises(DrafterLoadError, match="DFlash 2 .* not supported"):
-        load_head(tmp_path / "v2")
     (tmp_path / "eagle").mkdir()
     (tmp_path / "eagle" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     with pytest.raises(DrafterLoadError, match="unknown drafter architecture 'LlamaForCausalLMEagle3'"):

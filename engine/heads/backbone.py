@@ -44,6 +44,11 @@ class HeadConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash 2 (dynamic causal convolutions, candidate selector)
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     # DSpark (DeepSpec Qwen3DSparkModel config)
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
@@ -115,13 +120,15 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """fc + hidden_norm + layers + norm: the parameters both published layouts name alike."""
 
+    layer_class = DecoderLayer
+
     def __init__(self, cfg: HeadConfig, target_hidden: int | None = None):
         super().__init__()
         self.cfg = cfg
         feat = len(cfg.target_layer_ids) * (target_hidden or cfg.hidden_size)
         self.fc = nn.Linear(feat, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.layers = [self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self._rope = initialize_rope(
             cfg.head_dim,

@@ -6,6 +6,15 @@ output_multiplier, final_logit_softcapping); safetensors `fc`, `hidden_norm`,
 `layers.N.*`, `norm`. The state at block position i predicts the token at position i
 (the masked token itself), so a block of B proposes B-1 tokens. The target's
 embedding and LM head are reused.
+
+DFlash 2 (`DFlash2DraftModel`; dflash_config adds conv_kernel_size, conv_group_size,
+selector_rank, selector_top_k) wraps each layer's attention and MLP in grouped dynamic
+causal convolutions over the block (`layers.N.{attention,mlp}_conv.{base_kernel,
+kernel_projection.weight}`) and picks the draft with a candidate selector
+(`candidate_selector.{hidden_projection.weight, predecessor_codebook, successor_codebook}`):
+at each position the top-k tokens of the head's logits are rescored with a low-rank
+term linking the previous chosen token to each candidate, and one is chosen (greedy) or
+sampled (its q is the softmax over the k candidates, zero elsewhere).
 """
 
 from __future__ import annotations
@@ -13,10 +22,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..sampling import SamplingParams, target_probs
-from .backbone import Backbone, HeadConfig
+import mlx.nn as nn
 
-ARCHITECTURES = ("DFlashDraftModel",)
+from ..sampling import SamplingParams, target_probs
+from .backbone import Backbone, DecoderLayer, HeadConfig
+
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 class DFlashHead(Backbone):
@@ -45,3 +56,93 @@ class DFlashHead(Backbone):
             return mx.argmax(logits, axis=-1).tolist(), None
         q = target_probs(logits, sampling)
         return [int(rng.choice(q.shape[1], p=row)) for row in q], q
+
+
+def _dynamic_convolve(hidden: mx.array, dynamic: mx.array, base: mx.array, group_size: int) -> mx.array:
+    """Causal grouped convolution along the block: (base + per-position dynamic) taps."""
+    B, L, H = hidden.shape
+    groups = H // group_size
+    blocks = hidden.reshape(B, L, groups, group_size)
+    dynamic = dynamic.reshape(B, L, base.shape[0], groups, 1)
+    out = mx.zeros_like(blocks)
+    for offset in range(base.shape[0]):
+        values = blocks if offset == 0 else mx.concatenate(
+            [mx.zeros_like(blocks[:, :offset]), blocks[:, :-offset]], axis=1)
+        out = out + base[offset].reshape(1, 1, groups, group_size).astype(hidden.dtype) * values
+        out = out + dynamic[:, :, offset] * values
+    return out.reshape(B, L, H)
+
+
+class DynamicCausalConv(nn.Module):
+    def __init__(self, hidden: int, kernel: int, group_size: int):
+        super().__init__()
+        self.kernel, self.group_size = kernel, group_size
+        self.base_kernel = mx.zeros((2, kernel, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group_size), bias=False)
+
+    def prepare(self, h):
+        dyn = self.kernel_projection(h).reshape(*h.shape[:-1], 2, self.kernel, h.shape[-1] // self.group_size)
+        return _dynamic_convolve(h, dyn[..., 0, :, :], self.base_kernel[0], self.group_size), dyn[..., 1, :, :]
+
+    def finish(self, h, dyn):
+        return _dynamic_convolve(h, dyn, self.base_kernel[1], self.group_size)
+
+
+class DFlash2Layer(DecoderLayer):
+    def __init__(self, cfg: HeadConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.attention_conv = DynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = DynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def __call__(self, x, ctx, rope, offset):
+        h, k = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope, offset), k)
+        h, k = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), k)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+
+class DFlash2Head(DFlashHead):
+    kind = "dflash"
+    layer_class = DFlash2Layer
+
+    def __init__(self, cfg: HeadConfig, target_hidden: int | None = None, own_modules: set[str] = frozenset()):
+        super().__init__(cfg, target_hidden)
+        self.candidate_selector = CandidateSelector(cfg)
+
+    def draft(self, target, anchor: int, ctx, position: int, max_len: int,
+              sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+        n = min(max_len, self.max_draft)
+        block = mx.array([anchor] + [self.cfg.mask_token_id] * (self.cfg.block_size - 1), dtype=mx.uint32)
+        x = target.embed(block)[None] * self.cfg.input_embedding_scale
+        h = self(x, ctx, position)[0, 1 : n + 1]
+        logits = self.logits(target, h)
+        sel = self.candidate_selector
+        k = min(sel.top_k, logits.shape[-1])
+        cands = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        unary = mx.take_along_axis(logits, cands, axis=-1)
+        proj = sel.hidden_projection(h)
+        mx.eval(cands, unary, proj)
+        prev, tokens, qs = anchor, [], []
+        for i in range(n):
+            edges = (sel.predecessor_codebook.weight[prev] * proj[i] * sel.successor_codebook(cands[i])).sum(-1)
+            scores = unary[i] + edges
+            if sampling.greedy:
+                j = int(mx.argmax(scores).item())
+            else:
+                p = target_probs(scores[None], sampling)[0]
+                j = int(rng.choice(k, p=p))
+                q = np.zeros(logits.shape[-1])
+                q[np.array(cands[i])] = p
+                qs.append(q)
+            prev = int(cands[i, j].item())
+            tokens.append(prev)
+        return tokens, (np.stack(qs) if qs else None)

@@ -16,8 +16,10 @@ from .loading import build_head, parse_config
 
 
 def dflash_config(target_config: dict, *, layers: int = 1, block_size: int = 16, mask_token_id: int,
-                  target_layer_ids: list[int], intermediate_size: int | None = None) -> dict:
-    """A z-lab style DFlashDraftModel config.json for a head on this target."""
+                  target_layer_ids: list[int], intermediate_size: int | None = None, version: int = 1,
+                  conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 16,
+                  selector_top_k: int = 8) -> dict:
+    """A z-lab style DFlashDraftModel (version 2: DFlash2DraftModel) config.json for a head on this target."""
     c = {k: target_config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                        "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_theta")
          if k in target_config}
@@ -35,6 +37,11 @@ def dflash_config(target_config: dict, *, layers: int = 1, block_size: int = 16,
                        "target_layer_ids": list(target_layer_ids)},
         block_size=block_size,
     )
+    if version == 2:
+        c["architectures"] = ["DFlash2DraftModel"]
+        c["is_causal"] = False
+        c["dflash_config"].update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                                  selector_rank=selector_rank, selector_top_k=selector_top_k)
     return c
 
 
@@ -75,6 +82,8 @@ def random_head_checkpoint(out: Path, config: dict, seed: int = 0, scale: float 
 
 
 def save_checkpoint(out: Path, config: dict, weights: dict[str, mx.array]) -> Path:
+    if (config.get("architectures") or [None])[0] == "DFlash2DraftModel":  # z-lab names these bare
+        weights = {k.removesuffix(".weight") if "_codebook" in k else k: v for k, v in weights.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))

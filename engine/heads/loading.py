@@ -35,11 +35,6 @@ def kind_of(config: dict) -> str:
         return "dflash"
     if arch in dspark.ARCHITECTURES or (arch and "DSpark" in arch):
         return "dspark"
-    if arch == "DFlash2DraftModel":
-        raise DrafterLoadError(
-            "DFlash 2 checkpoints (DFlash2DraftModel: dynamic convolutions and a candidate "
-            "selector) are not supported yet; use a DFlashDraftModel or DSpark checkpoint"
-        )
     raise DrafterLoadError(f"unknown drafter architecture {arch!r} (expected DFlashDraftModel or Qwen3DSparkModel)")
 
 
@@ -95,7 +90,17 @@ def parse_config(config: dict, kind: str) -> HeadConfig:
         confidence_head_with_markov=bool(get("confidence_head_with_markov", False)) if conf_on else False,
         confidence_threshold=float(get("confidence_threshold", 0.2 if conf_on else 0.0)),
         draft_vocab_size=get("draft_vocab_size"),
+        conv_kernel_size=int(get("conv_kernel_size", 0)),
+        conv_group_size=int(get("conv_group_size", 0)),
+        selector_rank=int(get("selector_rank", 0)),
+        selector_top_k=int(get("selector_top_k", 0)),
     )
+    if cfg.architecture == "DFlash2DraftModel":
+        if min(cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) <= 0:
+            raise DrafterLoadError("DFlash 2 config needs conv_kernel_size, conv_group_size, selector_rank "
+                                   "and selector_top_k in dflash_config")
+        if hidden % cfg.conv_group_size:
+            raise DrafterLoadError(f"DFlash 2: conv_group_size {cfg.conv_group_size} does not divide hidden_size {hidden}")
     if "sliding_attention" in layer_types and cfg.sliding_window is None:
         raise DrafterLoadError("drafter config: sliding_attention layers need sliding_window")
     if kind == "dspark":
@@ -109,7 +114,10 @@ def parse_config(config: dict, kind: str) -> HeadConfig:
 
 
 def build_head(cfg: HeadConfig, kind: str, target_hidden: int | None = None, own: set[str] = frozenset()):
-    cls = dflash.DFlashHead if kind == "dflash" else dspark.DSparkHead
+    if kind == "dspark":
+        cls = dspark.DSparkHead
+    else:
+        cls = dflash.DFlash2Head if cfg.architecture == "DFlash2DraftModel" else dflash.DFlashHead
     return cls(cfg, target_hidden, own_modules=set(own))
 
 
@@ -191,6 +199,9 @@ def load_head(path_or_id: str | Path, target=None, bits: int | None = None, allo
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(str(f)))
+    for name in ("predecessor_codebook", "successor_codebook"):  # DFlash 2 names them bare
+        if f"candidate_selector.{name}" in weights:
+            weights[f"candidate_selector.{name}.weight"] = weights.pop(f"candidate_selector.{name}")
     own = {n.split(".")[0] for n in weights if n in OPTIONAL_DSPARK and kind == "dspark"}
     if "d2t" in weights:
         cfg.draft_vocab_size = int(weights["d2t"].shape[0])
