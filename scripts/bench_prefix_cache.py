@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "claude-code" / "long-session.jsonl"
 BILLING = "x-anthropic-billing-header"
+FOLLOW_UP = "Thanks. Now run the tests and fix whatever fails."
 
 
 # -- turns ------------------------------------------------------------------------------
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2, help="random model: layers")
     p.add_argument("--restart-turn", type=int, default=None,
                    help="restart before this turn (1-based; default: the third or later that adds least)")
+    p.add_argument("--no-follow-up", dest="follow_up", action="store_false",
+                   help="don't add a short last turn after the recorded ones")
     p.add_argument("--cache-dir", default=None, help="disk tier folder (default: a fresh temp folder)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
@@ -221,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         turns, source = (fit_turns(fixture_turns(probe, fixture), limit), fixture.name) if fixture.exists() else ([], "")
         if len(turns) < 3:  # no fixture, or this tokenizer makes its turns too long
             turns, source = fit_turns(synthetic_turns(probe), limit), "synthetic session (stdlib files)"
+        if args.follow_up:  # a short next turn (the user replies in a line): what most agent turns add
+            more = turns[-1] + probe.encode(FOLLOW_UP)
+            if len(more) < limit:
+                turns.append(more)
     if len(turns) < 3:
         print(f"only {len(turns)} turns fit in {args.max_context} tokens; raise --max-context", file=sys.stderr)
         return 2
