@@ -33,8 +33,22 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+_last_line = [0.0]
+
+
 def _progress(msg: str) -> None:
-    print(f"\r\033[K[{time.strftime('%H:%M:%S')}] {msg}", end="", file=sys.stderr, flush=True)
+    """One status line rewritten in place on a terminal; a line a second at most into a file."""
+    stamp = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    if sys.stderr.isatty():
+        print(f"\r\033[K{stamp}", end="", file=sys.stderr, flush=True)
+    elif time.monotonic() - _last_line[0] >= 1.0:
+        _last_line[0] = time.monotonic()
+        print(stamp, file=sys.stderr, flush=True)
+
+
+def _end_progress() -> None:
+    if sys.stderr.isatty():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
 def agent_turns(engine, path: Path, nonce: str) -> list[list[int]]:
@@ -68,7 +82,10 @@ def build_contents(engine, args: argparse.Namespace, names: list[str]) -> list:
             if not path.is_file():
                 print(f"mlx-dspark: skipping `agent`: no recorded session at {path}", file=sys.stderr)
                 continue
-            turns = agent_turns(engine, path, run_nonce())
+            try:
+                turns = agent_turns(engine, path, run_nonce())
+            except Exception as e:  # a line that isn't a /v1/messages request: say which file
+                raise CommandError(f"--agent-session {path}: not a recorded session ({e})") from None
             contents.append(BenchContent("agent", turns, 8, kind="agent", note=f"{path.name}, {len(turns)} turns"))
         elif name == "long":
             for depth in _ints(args.long_depths, "--long-depths"):
@@ -115,15 +132,17 @@ def run(args: argparse.Namespace) -> int:
     max_draft = parse_max_draft(args.max_draft)
     if args.trials < 1:
         raise CommandError("--trials must be >= 1")
-    with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits) as engine:
-        if max_draft == "auto" and not args.no_tune:
-            _progress("verify cost curve: cached or measuring (once per machine and model)")
-            engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
-                f"measuring verify cost curve: {what} ({i}/{n})")))
-        contents = build_contents(engine, args, names)
-        report = run_benchmark(engine, contents, modes=modes, max_draft=max_draft, trials=args.trials,
-                               progress=_progress)
-    print("\r\033[K", end="", file=sys.stderr, flush=True)
+    try:
+        with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits) as engine:
+            if max_draft == "auto" and not args.no_tune:
+                _progress("verify cost curve: cached or measuring (once per machine and model)")
+                engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
+                    f"measuring verify cost curve: {what} ({i}/{n})")))
+            contents = build_contents(engine, args, names)
+            report = run_benchmark(engine, contents, modes=modes, max_draft=max_draft, trials=args.trials,
+                                   progress=_progress)
+    finally:
+        _end_progress()
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 
 
 def add_parser(sub) -> None:
@@ -40,13 +38,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.acceptance <= 1.0:
         raise CommandError("--acceptance must be between 0 and 1")
 
-    def progress(what: str, i: int, n: int) -> None:
-        print(f"\r\033[K[{time.strftime('%H:%M:%S')}] measuring {what} ({i}/{n})", end="", file=sys.stderr, flush=True)
+    from .benchmark import _end_progress, _progress
 
-    with Engine(args.model, kv_bits=args.kv_bits, prefix_cache=False) as engine:
-        cached = engine.call(lambda t: load_cost_curve(curve_key(t, args.kv_bits)))
-        curve = engine.call(lambda t: tune(t, args.kv_bits, refresh=args.refresh, on_progress=progress, **kwargs))
-    print("\r\033[K", end="", file=sys.stderr, flush=True)
+    try:
+        with Engine(args.model, kv_bits=args.kv_bits, prefix_cache=False) as engine:
+            cached = engine.call(lambda t: load_cost_curve(curve_key(t, args.kv_bits)))
+            curve = engine.call(lambda t: tune(t, args.kv_bits, refresh=args.refresh, **kwargs,
+                                               on_progress=lambda what, i, n: _progress(f"measuring {what} ({i}/{n})")))
+    finally:
+        _end_progress()
     if args.json:
         print(json.dumps(curve.to_dict(), indent=1))
         return 0
