@@ -14,6 +14,7 @@ import sys
 COMMANDS = {
     "generate": "generate",
     "doctor": "doctor",
+    "models": "models",
     "serve": "serve",
     "mcp": "mcp",
     "integrate": "integrate",

@@ -31,7 +31,7 @@ from .engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
 from .errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .lookup import LookupDrafter
-from .models import REFERENCE_MODEL_DIR, default_model_path
+from .models import REFERENCE_MODEL_DIR, default_model_path, local_models
 from .modes import available_modes
 from .platform import describe_platform, ensure_fast_blas
 from .sampling import SamplingParams
@@ -76,6 +76,7 @@ __all__ = [
     "Tokens",
     "available_modes",
     "default_model_path",
+    "local_models",
     "describe_platform",
     "ensure_fast_blas",
     "load_target",

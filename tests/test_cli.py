@@ -89,3 +89,17 @@ def test_doctor_advises_when_blas_is_slow():
         assert "libopenblas0-pthread" in info["advice"]
     else:
         assert "advice" not in info
+
+
+def test_long_lived_commands_keep_a_disk_tier_by_default(monkeypatch, tmp_path):
+    import argparse
+
+    from agent_bridge.commands.common import prefix_cache_dir
+
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path))
+    ns = lambda **kw: argparse.Namespace(**{"prefix_cache_dir": None, "no_prefix_cache": False, **kw})  # noqa: E731
+    assert prefix_cache_dir(ns(), persistent=True) == str(tmp_path / "prefix-cache")
+    assert prefix_cache_dir(ns(), persistent=False) is None  # one-off commands write nothing
+    assert prefix_cache_dir(ns(prefix_cache_dir="off"), persistent=True) is None
+    assert prefix_cache_dir(ns(no_prefix_cache=True), persistent=True) is None
+    assert prefix_cache_dir(ns(prefix_cache_dir="/x"), persistent=False) == "/x"

@@ -19,7 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
     c.add_argument("--prefix-cache-max-ram-mb", type=float, default=None,
                    help="RAM for cached KV (default: min(8 GiB, a quarter of the machine's memory))")
-    c.add_argument("--prefix-cache-dir", default=None, help="keep evicted and, on exit, all cached KV here")
+    c.add_argument("--prefix-cache-dir", default=None,
+                   help="keep evicted and, on exit, all cached KV here, so a restart starts warm "
+                        "(serve and mcp default: ~/.cache/mlx-dspark/prefix-cache; 'off' for none)")
     c.add_argument("--prefix-cache-max-disk-mb", type=float, default=None,
                    help="disk cap of --prefix-cache-dir (default: min(16 GiB, a quarter of the free space))")
     c.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
@@ -41,7 +43,20 @@ def parse_max_draft(value: str | None) -> int | str | None:
     return n
 
 
-def engine_from_args(args: argparse.Namespace):
+def prefix_cache_dir(args: argparse.Namespace, persistent: bool) -> str | None:
+    """The disk tier's folder: the flag's, else for long-lived commands the user's cache dir."""
+    from engine import cache_dir
+
+    value = getattr(args, "prefix_cache_dir", None)
+    if value == "off" or getattr(args, "no_prefix_cache", False):
+        return None
+    if value is None and persistent:
+        return str(cache_dir() / "prefix-cache")
+    return value
+
+
+def engine_from_args(args: argparse.Namespace, persistent: bool = False):
+    """The engine the flags describe; `persistent` (serve, mcp) keeps a disk tier by default."""
     from agent_bridge.cli import CommandError
     from engine import DEFAULT_MAX_DRAFT, Engine
 
@@ -57,7 +72,7 @@ def engine_from_args(args: argparse.Namespace):
         context_window=args.context_window,
         prefix_cache=not getattr(args, "no_prefix_cache", False),
         prefix_cache_max_ram_mb=getattr(args, "prefix_cache_max_ram_mb", None),
-        prefix_cache_dir=getattr(args, "prefix_cache_dir", None),
+        prefix_cache_dir=prefix_cache_dir(args, persistent),
         prefix_cache_max_disk_mb=getattr(args, "prefix_cache_max_disk_mb", None),
         kv_bits=getattr(args, "kv_bits", None),
         drafter=getattr(args, "drafter", None),

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         # stdout is the MCP wire: anything a loader prints must go to stderr
         with contextlib.redirect_stdout(sys.stderr):
-            engine = engine_from_args(args)
+            engine = engine_from_args(args, persistent=True)
         backend = EngineBackend(engine, mode=args.mode)
     try:
         build_server(backend, workspace).run("stdio")

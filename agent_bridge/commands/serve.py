@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
     if args.default_max_tokens < 1:
         raise CommandError("--default-max-tokens must be >= 1")
-    with engine_from_args(args) as engine:
+    with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
         mcp_routes, mcp_lifespan = (), None
