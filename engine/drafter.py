@@ -19,6 +19,9 @@ class Draft:
     # The drafter's distribution for each proposed token, (len(tokens), vocab);
     # None for deterministic drafts (lookup), which speculative sampling treats as one-hot.
     q: np.ndarray | None = None
+    # A verbatim copy of earlier text (a long lookup match): it may run past the round's
+    # adaptive cap up to the hard one, since its acceptance doesn't follow the cap's model.
+    verbatim: bool = False
 
 
 class Drafter:
@@ -33,6 +36,7 @@ class Drafter:
         """A new generation begins with this prompt (all of it is committed context)."""
 
     def propose(self, max_len: int) -> Draft:
+        """At most max_len tokens; only a `verbatim` draft may be longer (the loop bounds it)."""
         return Draft([])
 
     def commit(self, tokens: list[int], drafted: int, accepted: int, hidden=None) -> None:

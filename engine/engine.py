@@ -302,9 +302,12 @@ class Engine:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
             if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
                 cap = controller = draft_controller(target, len(prompt), self.kv_bits)
+                hard_cap = controller.max_cap
             elif isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
                 raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
-            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap)
+            else:
+                hard_cap = cap
+            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap, hard_cap=hard_cap)
 
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids

@@ -63,11 +63,15 @@ def speculative_rounds(
     sampling: SamplingParams,
     max_draft: int | Callable[[], int],
     rng: np.random.Generator | None = None,
+    hard_cap: int | None = None,
 ) -> Iterator[Round]:
     """Endless rounds of draft-and-verify; the caller stops iterating when done.
 
-    On entry the cache holds the context minus `last_token`; after every round it
-    holds the context minus the last committed token, which the next round feeds.
+    `max_draft` is the round's cap (a number, or a callable such as the adaptive
+    controller); `hard_cap` (default: the same) bounds `verbatim` drafts, which may
+    exceed an adaptive cap. On entry the cache holds the context minus `last_token`;
+    after every round it holds the context minus the last committed token, which the
+    next round feeds.
     """
     rng = rng or np.random.default_rng(sampling.seed)
     cap = max_draft if callable(max_draft) else (lambda: max_draft)
@@ -77,9 +81,11 @@ def speculative_rounds(
         t0 = time.perf_counter()
         # A cache that can't be cut (a full rotating window, recurrent state) can't
         # take back a rejected draft: decode plainly, which is always correct.
-        k = cap() if target.can_rollback(cache) else 0
-        draft = drafter.propose(k) if k > 0 else None
-        draft_tokens = draft.tokens[:k] if draft else []
+        rollback = target.can_rollback(cache)
+        k = cap() if rollback else 0
+        hard = max(k, hard_cap if hard_cap is not None and rollback else 0)
+        draft = drafter.propose(k) if hard > 0 else None
+        draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]
         hidden = None
         if drafter.tap_layers:

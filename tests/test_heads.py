@@ -220,6 +220,41 @@ def test_long_lookup_match_replaces_the_heads_draft(tiny_target, tiny_heads):
     assert len(fresh.propose(32).tokens) == head.max_draft and fresh.source == "head"
 
 
+def test_verbatim_override_runs_past_an_adaptive_cap_but_not_the_hard_one(tiny_target, tiny_heads):
+    """A long lookup match is drafted in full even where the round's adaptive cap is small or
+    has turned head drafting off (0); the hard cap still bounds it, and the output is exact."""
+    head = load_head(tiny_heads["dflash"], tiny_target)
+    prompt = tiny_target.encode(PROMPTS[0])
+    ref = []
+    rounds = speculative_rounds(tiny_target, _prefilled(tiny_target, prompt), prompt[-1],
+                                _started(HeadDrafter(head, tiny_target, [], lookup_override=False), prompt),
+                                SamplingParams(), 0)
+    while len(ref) < 40:
+        ref += next(rounds).tokens
+    for hard_cap, longest in ((10, lambda m: m == 10), (64, lambda m: m >= 16), (None, lambda m: m == 0)):
+        drafter = _started(HeadDrafter(head, tiny_target, [prompt + ref]), prompt)  # the corpus holds the answer
+        rounds = speculative_rounds(tiny_target, _prefilled(tiny_target, prompt), prompt[-1], drafter,
+                                    SamplingParams(), lambda: 0, hard_cap=hard_cap)
+        out, drafted = [], []
+        while len(out) < 40:
+            r = next(rounds)
+            out += r.tokens
+            drafted.append(r.drafted)
+        assert out[:40] == ref[:40]
+        assert longest(max(drafted)), (hard_cap, drafted)  # no hard cap: a cap of 0 means no drafts
+
+
+def _prefilled(target, prompt):
+    cache = target.make_cache()
+    prefill(target, cache, prompt[:-1])
+    return cache
+
+
+def _started(drafter, prompt):
+    drafter.start(prompt)
+    return drafter
+
+
 def test_quantised_head_is_lossless(tiny_model_dir, tiny_heads):
     with Engine(str(tiny_model_dir), drafter=str(tiny_heads["dspark_gated"]), drafter_bits=4) as engine:
         bits = engine.call(lambda t: t.heads["dspark"].layers[0].mlp.gate_proj.bits)

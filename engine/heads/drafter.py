@@ -20,6 +20,7 @@ from .backbone import ContextCache
 
 DEFAULT_CONTEXT_LIMIT = 4096  # most recent context positions the head attends to
 LOOKUP_OVERRIDE = 8  # a verbatim lookup match this long replaces the head's draft for the round
+LOOKUP_QUERY = 64  # the longest draft lookup may make for the override
 
 
 class HeadDrafter(Drafter):
@@ -68,15 +69,19 @@ class HeadDrafter(Drafter):
 
     def propose(self, max_len: int) -> Draft:
         self.source = None
-        if max_len <= 0 or not self.tokens:
+        if not self.tokens:
             return Draft([])
         if self.lookup is not None:
-            # Ask lookup as if the cap were large: it drafts 2 x LOOKUP_OVERRIDE tokens or more
-            # only for a verbatim match of LOOKUP_OVERRIDE+ tokens, whatever this round's cap.
-            found = self.lookup.propose(max(max_len, 2 * LOOKUP_OVERRIDE))
+            # Lookup drafts 2 x LOOKUP_OVERRIDE tokens or more only for a verbatim match of
+            # LOOKUP_OVERRIDE+ tokens. Such a draft is verbatim: the loop lets it run past an
+            # adaptive cap tuned to the head's acceptance (up to the hard cap), and even when
+            # that cap has turned head drafting off.
+            found = self.lookup.propose(LOOKUP_QUERY)
             if len(found.tokens) >= 2 * LOOKUP_OVERRIDE:
                 self.source = "lookup"
-                return Draft(found.tokens[:max_len])
+                return Draft(found.tokens, verbatim=True)
+        if max_len <= 0:
+            return Draft([])
         self._flush()
         position = len(self.tokens) - 1  # the anchor's: every earlier token is in the target's cache
         tokens, q = self.head.draft(self.target, self.tokens[-1], self.ctx.kv, position, max_len,
