@@ -45,13 +45,17 @@ class DFlashHead(Backbone):
         cap = self.cfg.final_logit_softcapping
         return mx.tanh(out / cap) * cap if cap else out
 
-    def draft(self, target, anchor: int, ctx, position: int, max_len: int,
-              sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+    def block_states(self, target, anchor: int, ctx, position: int, max_len: int) -> tuple[mx.array, mx.array]:
+        """Hidden states and logits of the block [anchor, MASK...] for its first max_len drafts."""
         n = min(max_len, self.max_draft)
         block = mx.array([anchor] + [self.cfg.mask_token_id] * (self.cfg.block_size - 1), dtype=mx.uint32)
         x = target.embed(block)[None] * self.cfg.input_embedding_scale
         h = self(x, ctx, position)[0, 1 : n + 1]
-        logits = self.logits(target, h)
+        return h, self.logits(target, h)
+
+    def draft(self, target, anchor: int, ctx, position: int, max_len: int,
+              sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+        _, logits = self.block_states(target, anchor, ctx, position, max_len)
         if sampling.greedy:
             return mx.argmax(logits, axis=-1).tolist(), None
         q = target_probs(logits, sampling)
@@ -120,11 +124,7 @@ class DFlash2Head(DFlashHead):
 
     def draft(self, target, anchor: int, ctx, position: int, max_len: int,
               sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
-        n = min(max_len, self.max_draft)
-        block = mx.array([anchor] + [self.cfg.mask_token_id] * (self.cfg.block_size - 1), dtype=mx.uint32)
-        x = target.embed(block)[None] * self.cfg.input_embedding_scale
-        h = self(x, ctx, position)[0, 1 : n + 1]
-        logits = self.logits(target, h)
+        h, logits = self.block_states(target, anchor, ctx, position, max_len)
         sel = self.candidate_selector
         k = min(sel.top_k, logits.shape[-1])
         cands = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
@@ -132,7 +132,7 @@ class DFlash2Head(DFlashHead):
         proj = sel.hidden_projection(h)
         mx.eval(cands, unary, proj)
         prev, tokens, qs = anchor, [], []
-        for i in range(n):
+        for i in range(h.shape[0]):
             edges = (sel.predecessor_codebook.weight[prev] * proj[i] * sel.successor_codebook(cands[i])).sum(-1)
             scores = unary[i] + edges
             if sampling.greedy:

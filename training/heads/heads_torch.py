@@ -15,19 +15,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+from qwen3_torch import RMSNorm  # the target's own norm (training/ is on sys.path)
 
 
 def rope(x, pos, theta: float):
