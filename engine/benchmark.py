@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from .events import Done, Tokens
+from .loop_guard import DEGENERATE_SHARE, repeated_share
 from .sampling import SamplingParams
 
 CONTENTS = ("chat", "code", "math", "refactor", "edit", "agent", "long")
@@ -277,8 +278,12 @@ def _bench_decode(engine, content: Content, modes: list[str], max_draft, trials:
             runs[who].append(s)
     peer = summarize(runs["mlx-lm"])
     reference = [s.tokens for s in runs["mlx-lm"]]
+    # A reply that is mostly one n-gram repeated makes any drafter look fast (it copies the
+    # loop): such rows are flagged, and headline figures leave them out.
+    share = repeated_share(reference[0])
     result = {"kind": "decode", "prompt_tokens": len(prompt), "max_tokens": content.max_tokens,
-              "note": content.note, "mlx_lm": peer, "modes": {}}
+              "note": content.note, "repeated_share": round(share, 3),
+              "degenerate": share >= DEGENERATE_SHARE, "mlx_lm": peer, "modes": {}}
     for mode in modes:
         m = summarize(runs[mode])
         m["speedup"] = round(m["tok_s"] / peer["tok_s"], 3) if peer["tok_s"] else None
@@ -367,16 +372,16 @@ def _load_average() -> list[float] | None:
 def format_table(report: dict) -> str:
     """The report as a readable text table."""
     head = ("content", "prompt", "tokens", "mlx-lm tok/s", "(decode)", "ttft s", "mode", "tok/s", "(decode)",
-            "ttft s", "speedup", "(decode)", "tok/fwd", "identical")
+            "ttft s", "speedup", "(decode)", "tok/fwd", "identical", "looped")
     rows = []
     for name, r in report["contents"].items():
         if r["kind"] == "skipped":
-            rows.append((name, *[""] * 12, "skipped: " + r["reason"]))
+            rows.append((name, *[""] * 12, "skipped: " + r["reason"], ""))
             continue
         if r["kind"] == "agent":
             for t in r["turns"]:
                 rows.append((f"{name} turn {t['turn']}", str(t["prompt_tokens"]), "", "", "", "", r["mode"], "", "",
-                             f"{t['ttft_s']:.3f}", "", "", "", f"ttft {t['fraction_of_cold']:.1%} of cold"))
+                             f"{t['ttft_s']:.3f}", "", "", "", f"ttft {t['fraction_of_cold']:.1%} of cold", ""))
             continue
         peer = r["mlx_lm"]
         for mode, m in r["modes"].items():
@@ -384,9 +389,10 @@ def format_table(report: dict) -> str:
                          f"{peer['decode_tok_s']:.1f}", f"{peer['ttft_s']:.3f}", mode, f"{m['tok_s']:.1f}",
                          f"{m['decode_tok_s']:.1f}", f"{m['ttft_s']:.3f}", f"{m['speedup']:.2f}x",
                          f"{m['decode_speedup']:.2f}x", f"{m['tokens_per_forward']:.2f}",
-                         "yes" if m["identical"] else "NO"))
+                         "yes" if m["identical"] else "NO",
+                         f"{r['repeated_share']:.0%}" + (" degenerate" if r["degenerate"] else "")))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.ljust(w) if i in (0, 6, 13) else c.rjust(w)
+    line = lambda cells: "  ".join(c.ljust(w) if i in (0, 6, 13, 14) else c.rjust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
     return "\n".join(o.rstrip() for o in out)

@@ -24,6 +24,7 @@ from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
+from .loop_guard import LoopGuard
 from .modes import attach_drafter, make_drafter, resolve_mode
 from .prefix_cache import PrefixCache, cache_identity
 from .sampling import SamplingParams
@@ -104,7 +105,10 @@ class Engine:
         kv_bits: int | None = None,
         drafter: str | None = None,
         drafter_bits: int | None = None,
+        loop_guard: int = 0,
     ):
+        """`loop_guard`: end a generation whose last N committed tokens repeat one short
+        n-gram (engine/loop_guard.py), as `length`; 0 (the library's default) never does."""
         from .models import default_model_path
 
         if kv_bits not in (None, *KV_BITS):
@@ -116,6 +120,9 @@ class Engine:
         self.default_mode = mode
         self.max_draft = max_draft
         self.prefill_chunk = prefill_chunk
+        if loop_guard:
+            LoopGuard(loop_guard)  # a window too small to hold a loop fails here, not per request
+        self.loop_guard = loop_guard
         self.corpus: collections.deque[list[int]] = collections.deque(maxlen=MAX_ENGINE_CORPUS_DOCS)
         self.target: Target | None = None
         self._work: queue.Queue = queue.Queue()
@@ -313,6 +320,7 @@ class Engine:
         eos = target.eos_token_ids
         out: list[int] = []
         committed = list(prompt)  # every token the target committed, also past a stop
+        guard = LoopGuard(self.loop_guard) if self.loop_guard else None
         finish = "length" if max_tokens <= 0 else None
         t_decode = time.perf_counter()
         while finish is None:
@@ -338,6 +346,10 @@ class Engine:
                     break
                 if len(out) >= max_tokens:
                     finish = "length"
+                    break
+                if guard is not None and guard.add(tok):
+                    finish = "length"
+                    stats.note = guard.note()
                     break
             if stats.rounds == 1:
                 stats.ttft_s = time.perf_counter() - t0

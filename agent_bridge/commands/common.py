@@ -15,6 +15,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter", default=None, metavar="PATH_OR_ID",
                    help="a DFlash or DSpark head checkpoint for this model (checked against it at start)")
     g.add_argument("--drafter-bits", type=int, choices=[4, 8], default=None, help="quantise drafter heads at load")
+    g.add_argument("--loop-guard", type=int, default=None, metavar="TOKENS",
+                   help="end a reply whose last TOKENS tokens repeat one short n-gram, as if max_tokens "
+                        "was reached (serve and mcp default: 256; others: 0, off)")
     c = parser.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt from scratch")
     c.add_argument("--prefix-cache-max-ram-mb", type=float, default=None,
@@ -59,11 +62,17 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
     """The engine the flags describe; `persistent` (serve, mcp) keeps a disk tier by default."""
     from agent_bridge.cli import CommandError
     from engine import DEFAULT_MAX_DRAFT, Engine
+    from engine.loop_guard import DEFAULT_WINDOW as DEFAULT_LOOP_GUARD
 
     for flag in ("prefix_cache_max_ram_mb", "prefix_cache_max_disk_mb"):
         if (getattr(args, flag, None) or 0) < 0:
             raise CommandError(f"--{flag.replace('_', '-')} must be >= 0")
     max_draft = parse_max_draft(args.max_draft)
+    loop_guard = getattr(args, "loop_guard", None)
+    if loop_guard is None:  # long-lived servers guard agents against a looping model by default
+        loop_guard = DEFAULT_LOOP_GUARD if persistent else 0
+    if loop_guard == 1 or loop_guard < 0:
+        raise CommandError("--loop-guard must be 0 (off) or at least 2 tokens")
     return Engine(
         args.model,
         mode=args.mode,
@@ -77,4 +86,5 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
         kv_bits=getattr(args, "kv_bits", None),
         drafter=getattr(args, "drafter", None),
         drafter_bits=getattr(args, "drafter_bits", None),
+        loop_guard=loop_guard,
     )
