@@ -71,10 +71,12 @@ def build_tokenizer(out: Path, vocab_size: int = 384) -> int:
 
 
 def build_tiny_model(out: Path, arch: str = "qwen3", seed: int = 0, layers: int = 2,
-                     hidden: int = 64, context: int = 4096, scale: float = 4.0) -> Path:
+                     hidden: int = 64, context: int = 4096, scale: float = 4.0,
+                     extra: dict | None = None) -> Path:
     """A random model directory that mlx_lm.load reads. `scale` sharpens the logits
     (random tiny models are otherwise nearly uniform, which makes greedy decoding a
-    coin-toss between near-equal logits)."""
+    coin-toss between near-equal logits). `extra` adds or replaces config fields
+    (sliding windows, layer types, recurrent-layer sizes of hybrid families)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)
@@ -95,6 +97,7 @@ def build_tiny_model(out: Path, arch: str = "qwen3", seed: int = 0, layers: int 
     }
     if arch == "llama":
         config.pop("head_dim")
+    config.update(extra or {})
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
     from mlx_lm.utils import _get_classes
@@ -103,6 +106,7 @@ def build_tiny_model(out: Path, arch: str = "qwen3", seed: int = 0, layers: int 
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     params = dict(tree_flatten(model.parameters()))
-    params["lm_head.weight"] = params["lm_head.weight"] * scale
+    for name in [k for k in params if k.endswith("lm_head.weight")]:
+        params[name] = params[name] * scale
     mx.save_safetensors(str(out / "model.safetensors"), params)
     return out
