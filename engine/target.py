@@ -16,10 +16,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 from .errors import ModelLoadError
+from .rollback import supports_drafts
 
 DEFAULT_CONTEXT_WINDOW = 32768
 
@@ -133,11 +134,14 @@ class Target:
 
     @staticmethod
     def can_rollback(cache: list) -> bool:
-        return can_trim_prompt_cache(cache)
+        """Can a rejected draft be taken back (engine/rollback.py)? Every mlx-lm
+        attention, sliding-window and recurrent cache can; exotic kinds can't."""
+        return supports_drafts(cache)
 
     @staticmethod
     def rollback(cache: list, n: int) -> None:
-        """Drop the last n tokens from the cache (caller checked can_rollback)."""
+        """Drop the last n tokens from an attention-only cache (mlx-lm's trim); the
+        verify loop uses engine/rollback.py, which serves every cache type."""
         if n > 0:
             trimmed = trim_prompt_cache(cache, n)
             if trimmed != n:
