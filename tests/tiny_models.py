@@ -98,6 +98,8 @@ def build_tiny_model(out: Path, arch: str = "qwen3", seed: int = 0, layers: int 
     if arch == "llama":
         config.pop("head_dim")
     config.update(extra or {})
+    if config.pop("text_config_from_top", False):  # qwen3_5: the text model's fields nest
+        config = {"model_type": arch, "text_config": dict(config), "tie_word_embeddings": False}
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
     from mlx_lm.utils import _get_classes
@@ -110,3 +112,53 @@ def build_tiny_model(out: Path, arch: str = "qwen3", seed: int = 0, layers: int 
         params[name] = params[name] * scale
     mx.save_safetensors(str(out / "model.safetensors"), params)
     return out
+
+
+# Extra config fields per family: the smallest model with one layer of each kind
+# (recurrent and attention, sliding and full, MoE) that mlx-lm builds from its own classes.
+WINDOW = 16
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "moe_intermediate_size": 32, "norm_topk_prob": True}
+_GDN = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+        "partial_rotary_factor": 0.25}
+_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_expand": 2,
+           "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True}
+FAMILIES: dict[str, tuple[str, dict]] = {  # name -> (model_type, extra config)
+    "qwen3_next": ("qwen3_next", {**_GDN, **_MOE, "shared_expert_intermediate_size": 32}),
+    "qwen3_5": ("qwen3_5", {**_GDN, "text_config_from_top": True}),
+    "qwen3_5_moe": ("qwen3_5_moe", {**_GDN, **_MOE, "shared_expert_intermediate_size": 32,
+                                    "text_config_from_top": True}),
+    "lfm2": ("lfm2", {"norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
+                      "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0,
+                      "block_auto_adjust_ff_dim": False, "block_ff_dim": 128,
+                      "layer_types": ["conv", "full_attention"]}),
+    "nemotron_h": ("nemotron_h", {"attention_bias": False, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                                  "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4,
+                                  "n_groups": 1, "mlp_bias": False, "layer_norm_epsilon": 1e-5,
+                                  "use_bias": False, "use_conv_bias": True,
+                                  "hybrid_override_pattern": ["M", "*", "-"]}),
+    "granitemoehybrid": ("granitemoehybrid", {**_MAMBA2, "attention_bias": False, "embedding_multiplier": 1.0,
+                                              "attention_multiplier": 0.25, "logits_scaling": 1.0,
+                                              "residual_multiplier": 1.0, "layer_types": ["mamba", "attention"],
+                                              "shared_intermediate_size": 64, "num_local_experts": 0,
+                                              "position_embedding_type": "rope"}),
+    "falcon_h1": ("falcon_h1", {"head_dim": 16, "mamba_d_head": 16, "mamba_n_heads": 4, "mamba_d_ssm": 64,
+                                "mamba_d_state": 16, "mamba_chunk_size": 16, "num_hidden_layers": 1}),
+    "gemma3": ("gemma3_text", {"sliding_window": WINDOW, "sliding_window_pattern": 2,
+                               "query_pre_attn_scalar": 16}),
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                            "layer_types": ["sliding_attention", "full_attention"]}),
+    "qwen3_moe": ("qwen3_moe", dict(_MOE)),
+    "glm4_moe": ("glm4_moe", {"moe_intermediate_size": 32, "norm_topk_prob": True, "n_group": 1,
+                              "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 4,
+                              "routed_scaling_factor": 1.0, "num_experts_per_tok": 2,
+                              "first_k_dense_replace": 1, "rope_scaling": None, "use_qk_norm": True,
+                              "attention_bias": False, "partial_rotary_factor": 0.5}),
+    "llama_swa": ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}),
+}
+
+
+def build_family_model(out: Path, family: str, seed: int = 0, scale: float = 4.0) -> Path:
+    arch, extra = FAMILIES[family]
+    return build_tiny_model(out, arch=arch, seed=seed, scale=scale, extra=extra)
