@@ -293,6 +293,8 @@ class Engine:
             tap_layers=drafter.tap_layers if drafter is not None else (),
         )
         stats.prefilled_tokens = len(to_prefill) + 1
+        if self.prefix_cache is not None:  # models with recurrent/window layers resume only at checkpoints
+            self.prefix_cache.checkpoint(prompt[:-1], cache)
         stats.prefill_s = time.perf_counter() - t0
 
         controller = None

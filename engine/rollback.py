@@ -37,13 +37,16 @@ from mlx_lm.models.cache import (
 _CUT = (KVCache, QuantizedKVCache, ConcatenateKVCache)
 
 
-def _layers(cache: list):
-    """Every leaf cache (CacheList parts flattened)."""
+def leaves(cache: list):
+    """Every leaf cache (CacheList parts flattened), in layer order."""
     for c in cache:
         if type(c) is CacheList:
-            yield from _layers(list(c.caches))
+            yield from leaves(list(c.caches))
         else:
             yield c
+
+
+_layers = leaves
 
 
 def _kind(c) -> str | None:

@@ -90,3 +90,39 @@ def test_sampling_matches_target(family, tmp_path):
         rng = random.Random(3)
         prompt = [rng.randrange(engine.target.vocab_size) for _ in range(WINDOW + 5)]
         check_engine_sampling(engine, prompt, SamplingParams(temperature=1.0, top_k=4), seeds=1200)
+
+
+def test_prefix_cache_on_off_diverged(family_engine):
+    """A fresh engine with the prefix cache gives mlx-lm's tokens on a first turn, an
+    appended turn (resumed at the last turn's end), a reply that diverges (resumed at
+    the previous prompt's end) and a prompt diverging inside the first turn."""
+    family, reference = family_engine
+    rng = random.Random(7)
+    vocab = reference.target.vocab_size
+
+    def soup(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    with Engine(reference.model_path) as e:
+        assert e.cache_stats()["kind"] == ("segments" if family in ("qwen3_moe", "glm4_moe") else "checkpoint")
+
+        def turn(prompt, cap):
+            ids, stats = lookup_ids(e, prompt, cap, max_tokens=12)
+            assert ids == mlx_lm_greedy(reference, prompt, 12), f"{family}: {len(prompt)}-token prompt"
+            return ids, stats.cached_tokens
+
+        turn1 = soup(2 * WINDOW + 4)
+        # no drafts on this turn: a last round that overshoots max_tokens leaves tokens in
+        # the turn-end checkpoint that the next prompt doesn't hold
+        out1, cached = turn(turn1, 0)
+        assert cached == 0
+        turn2 = turn1 + out1 + soup(6)
+        _, cached = turn(turn2, 8)
+        assert cached >= len(turn1) + len(out1) - 1  # the first turn's end
+        other = turn1 + soup(9)  # another reply to the first prompt
+        _, cached = turn(other, 0)
+        assert cached >= len(turn1) - 1  # the first prompt's end: the checkpoint before the divergence
+        _, cached = turn(turn1[:20] + soup(5), 8)
+        assert cached in (0, 20)  # before every checkpoint (segment models reuse the 20 tokens)
+        _, cached = turn(turn2, 4)  # the second turn again, after all that
+        assert cached == len(turn2) - 1
