@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -99,8 +99,10 @@ class Target:
 
     def lm_head(self, h: mx.array) -> mx.array:
         """The output head on already-normalised states (tied or not, softcapped where the model is)."""
-        if "lm_head" in self.model:
-            out = self.model.lm_head(h)
+        # qwen3_5 wraps its text model (and its head) in `language_model`
+        text = self.model.language_model if "language_model" in self.model else self.model
+        if "lm_head" in text:
+            out = text.lm_head(h)
         else:
             out = self.model.model.embed_tokens.as_linear(h)
         cap = getattr(self.model, "final_logit_softcapping", None)
@@ -176,6 +178,13 @@ def _gemma3_masks(inner, h, cache):
     return [full if i % pattern == pattern - 1 else local for i in range(len(inner.layers))]
 
 
+def _hybrid_masks(inner, h, cache):
+    """Gated DeltaNet hybrids: one mask for the attention layers, one for the linear ones."""
+    fa = create_attention_mask(h, cache[inner.fa_idx])
+    ssm = create_ssm_mask(h, cache[inner.ssm_idx])
+    return [ssm if layer.is_linear else fa for layer in inner.layers]
+
+
 # Per family: how mlx-lm's model builds its masks and scales its embeddings (mistral loads as llama).
 _LAYER_MASKS = {
     "llama": _llama_masks,
@@ -184,6 +193,9 @@ _LAYER_MASKS = {
     "gemma": _same_mask(),
     "gemma2": _same_mask(return_array=True),
     "gemma3_text": _gemma3_masks,
+    "qwen3_next": _hybrid_masks,
+    "qwen3_5": _hybrid_masks,
+    "qwen3_5_moe": _hybrid_masks,
 }
 _EMBED_SCALE = {
     "llama": lambda d: None,
@@ -192,6 +204,9 @@ _EMBED_SCALE = {
     "gemma": lambda d: d**0.5,
     "gemma2": lambda d: d**0.5,
     "gemma3_text": lambda d: mx.array(d**0.5, mx.bfloat16),
+    "qwen3_next": lambda d: None,
+    "qwen3_5": lambda d: None,
+    "qwen3_5_moe": lambda d: None,
 }
 TAPPABLE_FAMILIES = frozenset(_LAYER_MASKS)
 

@@ -126,3 +126,35 @@ def test_prefix_cache_on_off_diverged(family_engine):
         assert cached in (0, 20)  # before every checkpoint (segment models reuse the 20 tokens)
         _, cached = turn(turn2, 4)  # the second turn again, after all that
         assert cached == len(turn2) - 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_heads_tap_gated_deltanet_hybrids(family, tmp_path):
+    """Drafter heads read these hybrids' residual stream from the verify forward itself,
+    and decode losslessly with rejected head drafts taken back (replay included)."""
+    if not _installed(family):
+        pytest.skip(f"mlx-lm has no {family}")
+    import json
+
+    import mlx.core as mx
+
+    from engine.heads.export import dflash_config, random_head_checkpoint
+    from engine.target import load_target
+
+    path = build_family_model(tmp_path / family, family, seed=5)
+    config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config", config)
+    head = random_head_checkpoint(tmp_path / "dflash", dflash_config(
+        config, mask_token_id=0, target_layer_ids=[0, 1], block_size=8), seed=1)
+    target = load_target(path)
+    a, b = target.make_cache(), target.make_cache()
+    ids = list(range(3, 30))
+    logits, hidden = target.forward_tapped(ids, b, (-1, 0, 1))
+    assert mx.allclose(target.forward(ids, a), logits, atol=1e-5)
+    assert hidden.shape == (len(ids), 3 * target.hidden_size)
+    with Engine(str(path), drafter=str(head)) as engine:
+        for prompt in _prompts(engine)[:2]:
+            ref = mlx_lm_greedy(engine, prompt, MAX_TOKENS)
+            done = list(engine.generate(GenerationRequest(prompt, max_tokens=MAX_TOKENS, mode="dflash", max_draft=8)))[-1]
+            assert done.token_ids == ref
+            assert done.stats.drafted_tokens > 0
