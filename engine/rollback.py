@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -77,7 +78,10 @@ def mark(cache: list) -> list:
         if kind == "cut":
             out.append(c.offset)
         elif kind == "window":
-            out.append((c.keys, c.values, c.offset, c._idx))
+            # new handles: a one-token update writes into the buffer in place (a wider
+            # one builds new arrays), and must not reach what is kept here
+            keys, values = (None, None) if c.keys is None else (mx.array(c.keys), mx.array(c.values))
+            out.append((keys, values, c.offset, c._idx))
         else:
             out.append(list(c.cache))
     return out
@@ -99,8 +103,10 @@ def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[
         if kept:
             replay()
         return
-    for c in layers:
-        if _kind(c) == "window":
+    for c, m in zip(layers, before):
+        if _kind(c) == "window" and fed == 1:  # a one-token update rotated in place: go back whole
+            _restore(c, m)
+        elif _kind(c) == "window":
             end = c.keys.shape[2] - rejected
             c.keys, c.values = c.keys[..., :end, :], c.values[..., :end, :]
             c.offset -= rejected

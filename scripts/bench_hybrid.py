@@ -40,14 +40,39 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true", help="also run --max-draft auto")
     ap.add_argument("--quantise", type=int, choices=(4, 8), help="quantise every model (mlx-lm convert)")
     ap.add_argument("--repeats", type=int, default=3, help="best of N for each timing")
+    ap.add_argument("--curve", action="store_true",
+                    help="instead: the verify cost curve per family (width 4 and 16 against 1, rollback and replay included)")
     args = ap.parse_args()
+    if args.curve:
+        return curves(args)
 
-    print(f"{'family':<18}{'case':<11}{'tokens':>7}{'tok/round':>10}{'mlx-lm s':>10}{'lookup s':>10}{'speedup':>9}  identical")
+    print(f"{'family':<18}{'case':<11}{'tokens':>7}{'tok/round':>10}{'mlx-lm s':>10}{'lookup s':>10}"
+          f"{'vs mlx-lm':>10}{'vs no drafts':>13}  identical")
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            for row in bench_family(family, Path(tmp), args, WINDOW):
+            rows = bench_family(family, Path(tmp), args, WINDOW)
+            plain_loop = rows[0]["lookup_s"]  # the same engine loop without drafts
+            for row in rows:
                 print(f"{family:<18}{row['case']:<11}{row['tokens']:>7}{row['tok_per_round']:>10.2f}{row['mlx_lm_s']:>10.3f}"
-                      f"{row['lookup_s']:>10.3f}{row['speedup']:>8.2f}x  {row['identical']}", flush=True)
+                      f"{row['lookup_s']:>10.3f}{row['speedup']:>9.2f}x{plain_loop / row['lookup_s']:>12.2f}x  "
+                      f"{row['identical']}", flush=True)
+
+
+def curves(args) -> None:
+    """cost(width) / cost(1) of a verify pass per family, as `mlx-dspark tune` measures it."""
+    from engine.autotune import measure_cost_curve
+    from engine.rollback import needs_replay
+    from engine.target import load_target
+    from tiny_models import build_family_model
+
+    print(f"{'family':<18}{'replay':>7}{'cost(4)':>9}{'cost(16)':>10}{'cost(32)':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families:
+            target = load_target(build_family_model(Path(tmp) / family, family, seed=5))
+            curve = measure_cost_curve(target, widths=(1, 4, 16, 32), depths=(256,), repeats=args.repeats)
+            r = [curve.relative(w, 256) for w in (4, 16, 32)]
+            print(f"{family:<18}{str(needs_replay(target.make_cache())):>7}{r[0]:>9.2f}{r[1]:>10.2f}{r[2]:>10.2f}",
+                  flush=True)
 
 
 def bench_family(family: str, tmp: Path, args, window: int) -> list[dict]:

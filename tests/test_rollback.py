@@ -102,3 +102,23 @@ def _in_order(cache, keys):
     if keys.shape[2] < cache.max_size or cache._idx >= keys.shape[2]:
         return keys
     return mx.concatenate([keys[..., cache._idx :, :], keys[..., : cache._idx, :]], axis=2)
+
+
+@pytest.mark.parametrize("before", [5, WINDOW, 3 * WINDOW + 2])
+def test_one_token_pass_on_a_window_is_taken_back(before):
+    """A one-token update rotates the window's buffer in place; taking it back restores
+    exactly what was there (the cost curve undoes width-1 passes this way)."""
+    from engine.rollback import mark, take_back
+
+    mx.random.seed(before)
+    kv = mx.random.normal((1, 1, before + 2, 4))
+    ref, got = RotatingKVCache(max_size=WINDOW), RotatingKVCache(max_size=WINDOW)
+    for c in (ref, got):
+        for t in range(before):  # one token at a time: the buffer rotates in place
+            c.update_and_fetch(kv[..., t : t + 1, :], kv[..., t : t + 1, :])
+    m = mark([got])
+    got.update_and_fetch(kv[..., before : before + 1, :], kv[..., before : before + 1, :])
+    take_back([got], m, 1, 0, replay=None)
+    k_ref, _ = ref.update_and_fetch(kv[..., before + 1 :, :], kv[..., before + 1 :, :])
+    k_got, _ = got.update_and_fetch(kv[..., before + 1 :, :], kv[..., before + 1 :, :])
+    assert got.offset == ref.offset and mx.array_equal(k_ref, k_got).item()
