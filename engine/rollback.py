@@ -104,7 +104,9 @@ def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[
             replay()
         return
     for c, m in zip(layers, before):
-        if _kind(c) == "window" and fed == 1:  # a one-token update rotated in place: go back whole
+        if _kind(c) == "window" and kept == 0:
+            # nothing kept: go back whole (a one-token update rotated the buffer in place, and a
+            # full window cut below max_size would break mlx-lm's next in-place update)
             _restore(c, m)
         elif _kind(c) == "window":
             end = c.keys.shape[2] - rejected
