@@ -314,7 +314,7 @@ class Engine:
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids
         out: list[int] = []
-        committed = list(prompt)  # every token the target committed, also past a stop
+        committed = list(prompt)  # the context the cache holds (a round's tokens past a stop are taken back)
         finish = "length" if max_tokens <= 0 else None
         t_decode = time.perf_counter()
         while finish is None:
@@ -327,7 +327,7 @@ class Engine:
             if controller is not None:
                 controller.observe(rnd.drafted, rnd.accepted)
             new_ids, text = [], ""
-            for tok in rnd.tokens:
+            for used, tok in enumerate(rnd.tokens, 1):
                 if tok in eos:
                     finish = "stop"
                     break
@@ -341,6 +341,11 @@ class Engine:
                 if len(out) >= max_tokens:
                     finish = "length"
                     break
+            if finish and used < len(rnd.tokens) and rnd.keep_only is not None:
+                # tokens drafted past the stop: out of the cache, so what the prefix cache
+                # keeps (a turn-end checkpoint, for recurrent models) is the context the client has
+                rnd.keep_only(used)
+                del committed[len(committed) - (len(rnd.tokens) - used) :]
             if stats.rounds == 1:
                 stats.ttft_s = time.perf_counter() - t0
             if new_ids or text:

@@ -30,6 +30,9 @@ class Round:
     drafted: int
     accepted: int
     seconds: float
+    # keep_only(u): the caller used only the first u >= 1 of `tokens` (a stop mid-round);
+    # leave the cache as if the round had committed just those. Call it right after the round.
+    keep_only: Callable[[int], None] | None = None
 
 
 def prefill(
@@ -108,4 +111,8 @@ def speculative_rounds(
             committed, len(draft_tokens), n, hidden=None if hidden is None else hidden[: n + 1]
         )
         y = nxt
-        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0)
+        keep_only = None
+        if draft_tokens:
+            def keep_only(u, before=before, inputs=inputs, held=n + 1):
+                take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache))
+        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only)

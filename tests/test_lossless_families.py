@@ -112,9 +112,7 @@ def test_prefix_cache_on_off_diverged(family_engine):
             return ids, stats.cached_tokens
 
         turn1 = soup(2 * WINDOW + 4)
-        # no drafts on this turn: a last round that overshoots max_tokens leaves tokens in
-        # the turn-end checkpoint that the next prompt doesn't hold
-        out1, cached = turn(turn1, 0)
+        out1, cached = turn(turn1, 8)  # a last round drafted past max_tokens is taken back
         assert cached == 0
         turn2 = turn1 + out1 + soup(6)
         _, cached = turn(turn2, 8)
