@@ -47,9 +47,6 @@ def leaves(cache: list):
             yield c
 
 
-_layers = leaves
-
-
 def _kind(c) -> str | None:
     if type(c) in _CUT:
         return "cut"
@@ -62,18 +59,18 @@ def _kind(c) -> str | None:
 
 def supports_drafts(cache: list) -> bool:
     """Can a rejected draft be taken back from this cache exactly?"""
-    return bool(cache) and all(_kind(c) is not None for c in _layers(cache))
+    return bool(cache) and all(_kind(c) is not None for c in leaves(cache))
 
 
 def needs_replay(cache: list) -> bool:
     """Does taking back a draft re-run the kept tokens (a layer holds recurrent state)?"""
-    return any(_kind(c) == "state" for c in _layers(cache))
+    return any(_kind(c) == "state" for c in leaves(cache))
 
 
 def mark(cache: list) -> list:
     """What each layer holds before a verify pass: enough to return to it."""
     out = []
-    for c in _layers(cache):
+    for c in leaves(cache):
         kind = _kind(c)
         if kind == "cut":
             out.append(c.offset)
@@ -88,7 +85,8 @@ def mark(cache: list) -> list:
 
 
 def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[], object] | None) -> None:
-    """Leave the cache holding its marked state plus the first `kept` of the `fed` tokens.
+    """Leave the cache holding its marked state plus the first `kept` of the `fed` tokens it
+    holds beyond the mark (a verify pass's inputs, or what an earlier take_back kept).
 
     `replay` feeds those `kept` tokens to the model (with this cache); it is called only
     when a recurrent layer needs it. The caller evaluates lazily with its next pass.
@@ -96,7 +94,7 @@ def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[
     rejected = fed - kept
     if rejected <= 0:
         return
-    layers = list(_layers(cache))
+    layers = list(leaves(cache))
     if any(_kind(c) == "state" for c in layers):
         for c, m in zip(layers, before):
             _restore(c, m)
