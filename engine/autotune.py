@@ -98,7 +98,12 @@ class CostCurve:
     @classmethod
     def default(cls, key: dict | None = None) -> "CostCurve":
         widths = list(range(1, MAX_WIDTH + 1))
-        row = [1.0 + DEFAULT_MARGINAL_COST * (w - 1) for w in widths]
+        k = key or {}
+        # MLX's CPU quantized_matmul doesn't batch: a width-16 pass cost 15-50x width 1 here
+        # (4096x4096, 4/8-bit and mxfp4), so unmeasured, a quantised target on CPU doesn't draft.
+        quantised_cpu = bool(k.get("quantization")) and str(k.get("device", "")).startswith("cpu")
+        marginal = 1.0 if quantised_cpu else DEFAULT_MARGINAL_COST
+        row = [1.0 + marginal * (w - 1) for w in widths]
         return cls(widths, [0], [row], key=dict(key or {}), measured=False)
 
     def _row_at(self, depth: int) -> list[float]:
@@ -308,12 +313,15 @@ def measure_cost_curve(
     """Time target forwards of each width at each context depth (median of `repeats` sweeps).
 
     The context is random token ids: attention cost depends on its length, not its text.
-    Each pass is rolled back, so every width is measured at the same depth.
+    Each pass is rolled back, so every width is measured at the same depth. Where taking
+    back a draft replays the kept tokens (recurrent layers, engine/rollback.py), a pass of
+    width w is charged the replay of half of it too, as if half the draft were rejected.
     """
     import mlx.core as mx
     import numpy as np
 
     from .kv_segments import fresh_cache
+    from .rollback import mark, needs_replay, take_back
 
     widths = sorted(set(int(w) for w in widths))
     if not widths or widths[0] != 1:
@@ -332,10 +340,12 @@ def measure_cost_curve(
         for s in range(0, depth, 512):
             target.forward(context[s : min(s + 512, depth)], cache)
             mx.eval([c.state for c in cache])
+        replays = needs_replay(cache)
         for _ in range(3):  # warm up: the first passes after a prefill run slow
+            before = mark(cache)
             target.forward(context[depth:], cache)
             mx.eval([c.state for c in cache])
-            target.rollback(cache, 1)
+            take_back(cache, before, 1, 0, replay=None)
         # Whole sweeps over the widths, median pass per width: a burst of interference
         # from other processes then spoils one pass of several widths, not a width. (Not the
         # best pass: on a busy machine wide passes suffer more, and the verify loop sees that.)
@@ -343,11 +353,16 @@ def measure_cost_curve(
         draws = {w: rng.integers(0, vocab, size=w).tolist() for w in widths}
         for sweep in range(repeats + 1):  # sweep 0 warms every shape up
             for i, w in enumerate(widths):
+                before = mark(cache)
                 t0 = time.perf_counter()
                 logits = target.forward(draws[w], cache)
                 mx.eval(mx.argmax(logits, axis=-1))  # what the verify loop reads back
+                if replays and w > 1:
+                    kept = w // 2
+                    take_back(cache, before, w, kept, replay=lambda: target.forward(draws[w][:kept], cache))
+                    mx.eval([c.state for c in cache])
                 dt = time.perf_counter() - t0
-                target.rollback(cache, w)
+                take_back(cache, before, w, 0, replay=None)
                 if sweep:
                     passes[i].append(dt)
                     done += 1

@@ -300,6 +300,8 @@ class Engine:
             tap_layers=drafter.tap_layers if drafter is not None else (),
         )
         stats.prefilled_tokens = len(to_prefill) + 1
+        if self.prefix_cache is not None:  # models with recurrent/window layers resume only at checkpoints
+            self.prefix_cache.checkpoint(prompt[:-1], cache)
         stats.prefill_s = time.perf_counter() - t0
 
         controller = None
@@ -319,7 +321,7 @@ class Engine:
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids
         out: list[int] = []
-        committed = list(prompt)  # every token the target committed, also past a stop
+        committed = list(prompt)  # the context the cache holds (a round's tokens past a stop are taken back)
         guard = LoopGuard(self.loop_guard) if self.loop_guard else None
         finish = "length" if max_tokens <= 0 else None
         t_decode = time.perf_counter()
@@ -333,7 +335,7 @@ class Engine:
             if controller is not None:
                 controller.observe(rnd.drafted, rnd.accepted)
             new_ids, text = [], ""
-            for tok in rnd.tokens:
+            for used, tok in enumerate(rnd.tokens, 1):
                 if tok in eos:
                     finish = "stop"
                     break
@@ -351,6 +353,11 @@ class Engine:
                     finish = "length"
                     stats.note = guard.note()
                     break
+            if finish and used < len(rnd.tokens) and rnd.keep_only is not None:
+                # tokens drafted past the stop: out of the cache, so what the prefix cache
+                # keeps (a turn-end checkpoint, for recurrent models) is the context the client has
+                rnd.keep_only(used)
+                del committed[len(committed) - (len(rnd.tokens) - used) :]
             if stats.rounds == 1:
                 stats.ttft_s = time.perf_counter() - t0
             if new_ids or text:

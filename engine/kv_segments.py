@@ -11,6 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from .rollback import leaves, supports_drafts
+
 SEQ_AXIS = 2
 KV_BITS = (4, 8)
 
@@ -36,22 +38,33 @@ def fresh_cache(target, kv_bits: int | None = None) -> list:
 
 
 def cache_kind(cache: list) -> str:
-    """"segments": every layer can be cut per token; "checkpoint": only whole states are reusable
-    (sliding windows, recurrent layers) and the cache counts its tokens; "none": neither."""
+    """"segments": every layer can be cut per token; "checkpoint": some layers keep a state that
+    can't be cut (sliding windows, recurrent layers), so those are reused only whole, at
+    checkpoints, while the attention layers still keep per-token segments; "none": neither."""
     if cache and all(type(c) in (KVCache, QuantizedKVCache) for c in cache):
         return "segments"
-    if cache_offset(cache) is not None:
+    if supports_drafts(cache) and cache_offset(cache) is not None:
         return "checkpoint"
     return "none"
 
 
 def cache_offset(cache: list) -> int | None:
     """Tokens the cache holds, from the first layer that counts them."""
-    for c in cache:
+    for c in leaves(cache):
         offset = getattr(c, "offset", None)
         if isinstance(offset, int):
             return offset
     return None
+
+
+def segment_layers(cache: list) -> list:
+    """The layers that keep per-token segments (plain and quantised attention), CacheList parts included."""
+    return [c for c in leaves(cache) if type(c) in (KVCache, QuantizedKVCache)]
+
+
+def state_layers(cache: list) -> list:
+    """The layers reused only whole (recurrent state, sliding windows)."""
+    return [c for c in leaves(cache) if type(c) not in (KVCache, QuantizedKVCache)]
 
 
 def _layer_arrays(c) -> list[mx.array]:

@@ -2,9 +2,12 @@
 
 Models whose cache can be cut per token keep a radix tree of KV segments (see
 radix_tree.py), bounded by a RAM budget with LRU eviction of leaves into an optional
-disk tier (kv_disk.py). Models whose cache can't be cut (sliding windows, recurrent
-layers) keep whole-state checkpoints at the end of finished requests instead: an
-append-only next turn resumes from one; anything else prefills from scratch.
+disk tier (kv_disk.py). Models with layers that can't be cut (sliding windows,
+recurrent layers) keep checkpoints at each prompt's end and each turn's end: their
+attention layers still put per-token segments in the tree (shared between branches),
+the other layers keep a whole copy of their state at that point. A prompt resumes
+from the longest checkpoint it starts with, so one that diverges mid-conversation
+resumes from the nearest checkpoint before the divergence.
 
 Runs on the engine thread only; `stats()` reads plain counters, from any thread.
 """
@@ -30,8 +33,10 @@ from .kv_segments import (
     check_segment,
     cut_segment,
     segment_nbytes,
+    segment_layers,
     segment_signature,
     slice_segment,
+    state_layers,
 )
 from .radix_tree import Node, RadixTree
 
@@ -131,7 +136,21 @@ class PrefixCache:
             if path and self._signature is None:
                 self._signature = segment_signature(path[-1].payload)
         elif self.kind == "checkpoint":
-            self._store_checkpoint(tuple(tokens[:n]), cache)
+            self.checkpoint(tokens[:n], cache)
+        self._evict()
+
+    def checkpoint(self, tokens: list[int], cache: list) -> None:
+        """Keep the state of a cache that holds exactly `tokens` ("checkpoint" kind only;
+        the engine calls it at each prompt's end, release at each turn's end)."""
+        if self.kind != "checkpoint" or not tokens or cache_offset(cache) != len(tokens):
+            return
+        attention = segment_layers(cache)
+        if attention:
+            self.tree.insert(list(tokens), lambda a, b: slice_segment(attention, a, b))
+        key = tuple(tokens)
+        if key not in self.checkpoints:
+            # copies: the request goes on writing into its cache (rotating buffers in place)
+            self._store_checkpoint(key, [copy.deepcopy(c) for c in state_layers(cache)])
         self._evict()
 
     def close(self) -> None:
@@ -230,18 +249,32 @@ class PrefixCache:
     # -- whole-state checkpoints --------------------------------------------------------
 
     def _acquire_checkpoint(self, wanted: list[int]) -> tuple[list, int]:
+        cache = self.new_cache()
+        attention = segment_layers(cache)
+        # the attention layers' segments must cover the checkpoint (eviction may have cut them)
+        reach = sum(k for _, k in self.tree.match(wanted)) if attention else len(wanted)
         best = None
         for tokens in self.checkpoints:
-            if len(tokens) <= len(wanted) and (best is None or len(tokens) > len(best)):
+            if len(tokens) <= reach and (best is None or len(tokens) > len(best)):
                 if list(tokens) == wanted[: len(tokens)]:
                     best = tokens
         if best is None:
-            return self.new_cache(), 0
-        cache, _ = self.checkpoints[best]
+            return cache, 0
+        states, _ = self.checkpoints[best]
         self.tree.clock += 1
-        self.checkpoints[best] = (cache, self.tree.clock)
-        # a deep copy: the request writes into its cache in place, the checkpoint must stay
-        return copy.deepcopy(cache), len(best)
+        self.checkpoints[best] = (states, self.tree.clock)
+        if attention:
+            path = self.tree.match(list(best))
+            self._pinned.update(node for node, _ in path)
+            self.tree.touch(node for node, _ in path)
+            parts = [node.payload for node, _ in path[:-1]]
+            last, k = path[-1]
+            parts.append(last.payload if k == len(last.tokens) else cut_segment(last.payload, 0, k))
+            build_cache(attention, parts)
+        for layer, saved in zip(state_layers(cache), states):
+            # a copy of the saved layer's fields: the request writes into its cache in place
+            layer.__dict__.update(copy.deepcopy(saved).__dict__)
+        return cache, len(best)
 
     def _store_checkpoint(self, tokens: tuple, cache: list) -> None:
         if tokens in self.checkpoints:

@@ -15,11 +15,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 from .errors import ModelLoadError
+from .rollback import supports_drafts
 
 DEFAULT_CONTEXT_WINDOW = 32768
 
@@ -98,8 +99,10 @@ class Target:
 
     def lm_head(self, h: mx.array) -> mx.array:
         """The output head on already-normalised states (tied or not, softcapped where the model is)."""
-        if "lm_head" in self.model:
-            out = self.model.lm_head(h)
+        # qwen3_5 wraps its text model (and its head) in `language_model`
+        text = self.model.language_model if "language_model" in self.model else self.model
+        if "lm_head" in text:
+            out = text.lm_head(h)
         else:
             out = self.model.model.embed_tokens.as_linear(h)
         cap = getattr(self.model, "final_logit_softcapping", None)
@@ -133,11 +136,14 @@ class Target:
 
     @staticmethod
     def can_rollback(cache: list) -> bool:
-        return can_trim_prompt_cache(cache)
+        """Can a rejected draft be taken back (engine/rollback.py)? Every mlx-lm
+        attention, sliding-window and recurrent cache can; exotic kinds can't."""
+        return supports_drafts(cache)
 
     @staticmethod
     def rollback(cache: list, n: int) -> None:
-        """Drop the last n tokens from the cache (caller checked can_rollback)."""
+        """Drop the last n tokens from an attention-only cache (mlx-lm's trim); the
+        verify loop uses engine/rollback.py, which serves every cache type."""
         if n > 0:
             trimmed = trim_prompt_cache(cache, n)
             if trimmed != n:
@@ -172,6 +178,13 @@ def _gemma3_masks(inner, h, cache):
     return [full if i % pattern == pattern - 1 else local for i in range(len(inner.layers))]
 
 
+def _hybrid_masks(inner, h, cache):
+    """Gated DeltaNet hybrids: one mask for the attention layers, one for the linear ones."""
+    fa = create_attention_mask(h, cache[inner.fa_idx])
+    ssm = create_ssm_mask(h, cache[inner.ssm_idx])
+    return [ssm if layer.is_linear else fa for layer in inner.layers]
+
+
 # Per family: how mlx-lm's model builds its masks and scales its embeddings (mistral loads as llama).
 _LAYER_MASKS = {
     "llama": _llama_masks,
@@ -180,6 +193,9 @@ _LAYER_MASKS = {
     "gemma": _same_mask(),
     "gemma2": _same_mask(return_array=True),
     "gemma3_text": _gemma3_masks,
+    "qwen3_next": _hybrid_masks,
+    "qwen3_5": _hybrid_masks,
+    "qwen3_5_moe": _hybrid_masks,
 }
 _EMBED_SCALE = {
     "llama": lambda d: None,
@@ -188,6 +204,9 @@ _EMBED_SCALE = {
     "gemma": lambda d: d**0.5,
     "gemma2": lambda d: d**0.5,
     "gemma3_text": lambda d: mx.array(d**0.5, mx.bfloat16),
+    "qwen3_next": lambda d: None,
+    "qwen3_5": lambda d: None,
+    "qwen3_5_moe": lambda d: None,
 }
 TAPPABLE_FAMILIES = frozenset(_LAYER_MASKS)
 

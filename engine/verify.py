@@ -3,7 +3,9 @@
 Each round feeds the last committed token plus the draft to the target in one
 forward pass, accepts the longest lossless prefix of the draft (greedy: equal to the
 target's argmax; sampling: speculative-sampling acceptance), commits one more
-token from the target itself, and rolls the KV cache back past what was rejected.
+token from the target itself, and takes the rejected tokens back out of the cache
+(engine/rollback.py: attention cut, sliding windows trimmed, recurrent state restored
+and the kept tokens replayed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from .drafter import Drafter
 from .errors import CancelledError
+from .rollback import mark, supports_drafts, take_back
 from .sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
 from .target import Target
 
@@ -27,6 +30,9 @@ class Round:
     drafted: int
     accepted: int
     seconds: float
+    # keep_only(u): the caller used only the first u >= 1 of `tokens` (a stop mid-round);
+    # leave the cache as if the round had committed just those. Call it right after the round.
+    keep_only: Callable[[int], None] | None = None
 
 
 def prefill(
@@ -76,17 +82,18 @@ def speculative_rounds(
     rng = rng or np.random.default_rng(sampling.seed)
     cap = max_draft if callable(max_draft) else (lambda: max_draft)
     drafter.set_sampling(sampling)
+    # A cache type engine/rollback.py doesn't know can't take back a rejected draft:
+    # decode it plainly, which is always correct.
+    drafting = supports_drafts(cache)
     y = last_token
     while True:
         t0 = time.perf_counter()
-        # A cache that can't be cut (a full rotating window, recurrent state) can't
-        # take back a rejected draft: decode plainly, which is always correct.
-        rollback = target.can_rollback(cache)
-        k = cap() if rollback else 0
-        hard = max(k, hard_cap if hard_cap is not None and rollback else 0)
+        k = cap() if drafting else 0
+        hard = max(k, hard_cap if hard_cap is not None and drafting else 0)
         draft = drafter.propose(k) if hard > 0 else None
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]
+        before = mark(cache) if draft_tokens else None
         hidden = None
         if drafter.tap_layers:
             logits, hidden = target.forward_tapped(inputs, cache, drafter.tap_layers)
@@ -97,10 +104,15 @@ def speculative_rounds(
         else:
             q = draft.q[: len(draft_tokens)] if draft is not None and draft.q is not None else None
             n, nxt = accept_speculative(target_probs(logits, sampling), draft_tokens, q, rng)
-        target.rollback(cache, len(draft_tokens) - n)
+        if draft_tokens:
+            take_back(cache, before, len(inputs), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache))
         committed = [*draft_tokens[:n], nxt]
         drafter.commit(
             committed, len(draft_tokens), n, hidden=None if hidden is None else hidden[: n + 1]
         )
         y = nxt
-        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0)
+        keep_only = None
+        if draft_tokens:
+            def keep_only(u, before=before, inputs=inputs, held=n + 1):
+                take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache))
+        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only)

@@ -9,6 +9,7 @@ hidden size and vocabulary must match.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import mlx.core as mx
@@ -193,6 +194,10 @@ def load_head(path_or_id: str | Path, target=None, bits: int | None = None, allo
         raise DrafterLoadError(f"could not read {path / 'config.json'}: {e}") from None
     kind = kind_of(config)
     cfg = parse_config(config, kind)
+    from .registry import published_mismatches
+
+    for line in published_mismatches(str(path_or_id), config):  # loads anyway: the pairing check decides
+        logging.getLogger("engine").warning("drafter config differs from the registry: %s", line)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise DrafterLoadError(f"no .safetensors files in {path}")

@@ -21,6 +21,8 @@ REFERENCE_DRAFTERS = REFERENCE_MODEL_DIR / "drafters"
 class Entry:
     heads: dict[str, str] = field(default_factory=dict)  # mode -> repository id or path
     best: str | None = None  # measured best mode; None: not measured here, auto prefers lookup
+    # mode -> the checkpoint's published config values (taps, sizes, block): checked at load
+    published: dict[str, dict] = field(default_factory=dict)
 
 
 # Published checkpoints (z-lab DFlash, DeepSeek DeepSpec). "best" is only set where it was
@@ -32,7 +34,51 @@ PUBLISHED: dict[str, Entry] = {
     "qwen3-coder-30b-a3b-instruct": Entry({"dflash": "z-lab/Qwen3-Coder-30B-A3B-DFlash"}),
     "llama-3.1-8b-instruct": Entry({"dflash": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"}),
     "meta-llama-3.1-8b-instruct": Entry({"dflash": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"}),
+    # Hybrid (Gated DeltaNet) and MoE targets. Values from the checkpoints' config.json:
+    # z-lab/Qwen3.6-35B-A3B-DFlash at revision 42d3b34d588423cdae7ba8f53a8cf7789346a719
+    # (huggingface.co/z-lab/Qwen3.6-35B-A3B-DFlash/blob/42d3b34d.../config.json; 8 layers).
+    "qwen3.6-35b-a3b": Entry({"dflash": "z-lab/Qwen3.6-35B-A3B-DFlash"}, published={"dflash": {
+        "hidden_size": 2048, "vocab_size": 248320, "block_size": 16, "mask_token_id": 248070,
+        "target_layer_ids": [1, 10, 19, 28, 37]}}),
+    # DFlash 2 (DFlash2DraftModel, conv-mixing layers): incoai/Qwen3.8-27B-DFlash2's config.json.
+    "qwen3.8-27b": Entry({"dflash": "incoai/Qwen3.8-27B-DFlash2"}, published={"dflash": {
+        "hidden_size": 5120, "vocab_size": 248320, "block_size": 8, "mask_token_id": 248070,
+        "target_layer_ids": [5, 19, 33, 47, 61]}}),
+    # The pairing is published (z-lab's DFlash collection, vLLM/SGLang recipes); its config values
+    # were not found in a citable source here, so nothing is checked beyond the load-time pairing.
+    "qwen3.6-27b": Entry({"dflash": "z-lab/Qwen3.6-27B-DFlash"}),
+    # Gemma 4 MoE (sliding-window attention): huggingface.co/makora-ai/gemma4-26b-a4b-dspark's card
+    # (speculators format, 5 layers, Markov rank 256, draft vocabulary 32,000 mapped to 262,144).
+    # Gemma 4 is not tappable here yet (engine/target.py), so `auto` skips it.
+    "gemma-4-26b-a4b-it": Entry({"dspark": "makora-ai/gemma4-26b-a4b-dspark"}, published={"dspark": {
+        "block_size": 7, "target_layer_ids": [3, 10, 18, 25, 28], "markov_rank": 256}}),
 }
+
+
+def published_config(config: dict) -> dict:
+    """The values a registry row pins, read from a head's config.json (flat or nested)."""
+    nested = config.get("dflash_config") or config.get("dspark_config") or {}
+    out = {}
+    for key in ("hidden_size", "vocab_size", "block_size", "mask_token_id", "target_layer_ids", "markov_rank"):
+        value = nested.get(key, config.get(key))
+        if value is not None:
+            out[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def published_mismatches(spec: str, config: dict) -> list[str]:
+    """Where a registered checkpoint's config differs from its published values (a re-upload,
+    another revision, a wrong file): one line each; [] for unregistered checkpoints."""
+    have = published_config(config)
+    out = []
+    for entry in PUBLISHED.values():
+        for mode, repo in entry.heads.items():
+            if repo != spec:
+                continue
+            for key, want in entry.published.get(mode, {}).items():
+                if key in have and have[key] != want:
+                    out.append(f"{spec}: {key} is {have[key]}, the published checkpoint has {want}")
+    return out
 
 # The bundled reference model: from training/heads/README.md's CPU measurement, DSpark beat
 # plain decoding in every content measured (1.65x-5.2x, lookup override on) and DFlash in 5 of 8.
