@@ -25,6 +25,8 @@ from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooL
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
 from .modes import attach_drafter, make_drafter, resolve_mode
+from .lookup import ContextIndexCache
+from .piece_encoder import PieceEncoder
 from .prefix_cache import PrefixCache, cache_identity
 from .sampling import SamplingParams
 from .stops import TextAssembler
@@ -128,6 +130,8 @@ class Engine:
         self._thread.start()
         loaded.result()  # re-raises ModelLoadError here, in the caller's thread
         self.context_window = context_window or self.target.context_window
+        self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
+        self._contexts = ContextIndexCache()  # the last request's lookup index, continued
         if drafter or drafter_bits:  # a head checkpoint given by the user: load and pair it now
             try:
                 self.call(lambda t: attach_drafter(t, drafter, drafter_bits))
@@ -186,7 +190,7 @@ class Engine:
         return self.target.decode(ids)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
-        return render_chat(self.tokenizer, messages, tools=tools, **kwargs)
+        return render_chat(self.tokenizer, messages, tools=tools, encode=self._pieces.encode, **kwargs)
 
     def add_corpus(self, token_ids: list[int]) -> None:
         """Remember a sequence (a file an agent read, say) for lookup drafting in later requests."""
@@ -209,6 +213,11 @@ class Engine:
     def cache_stats(self) -> dict | None:
         """Prefix-cache counters (entries, bytes in RAM and on disk, hits...); None when it's off."""
         return self.prefix_cache.stats() if self.prefix_cache is not None else None
+
+    def flush_disk(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the prefix cache's queued disk writes are done (from any thread, without
+        waiting for the engine thread): what a SIGTERM handler calls before the process ends."""
+        return self.prefix_cache.flush(timeout) if self.prefix_cache is not None else True
 
     def close(self) -> None:
         if not self._closed:
@@ -277,6 +286,7 @@ class Engine:
         job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
         drafter = None if mode == "baseline" else make_drafter(mode, target, [*self.corpus, *req.corpus])
         if drafter is not None:
+            drafter.use_context_cache(self._contexts)
             drafter.start(prompt)
             if not target.can_rollback(cache):
                 stats.note = "this model's cache can't be rolled back: decoding without drafts"
@@ -344,6 +354,8 @@ class Engine:
             if new_ids or text:
                 job.emit(Tokens(new_ids, text))
         rounds.close()
+        if drafter is not None:
+            drafter.finish()
         tail = assembler.finish()
         if tail:
             job.emit(Tokens([], tail))

@@ -22,7 +22,10 @@ from typing import Callable
 
 import mlx.core as mx
 
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
 from .kv_disk import DiskTier
+from .lookup import common_prefix
 from .kv_segments import (
     build_cache,
     cache_kind,
@@ -95,8 +98,15 @@ class PrefixCache:
         self.disk = None
         if disk_dir is not None and self.kind == "segments":
             cap = default_max_disk_bytes(disk_dir) if max_disk_bytes is None else int(max_disk_bytes)
-            self.disk = DiskTier(disk_dir, identity, cap)
+            try:
+                self.disk = DiskTier(disk_dir, identity, cap)
+            except OSError as err:  # a read-only or unusable folder: serve from RAM
+                log.warning("prefix cache: no disk tier at %s (%s); serving goes on from RAM", disk_dir, err)
         self._pinned: set[Node] = set()
+        # The last request's own cache and the tokens it holds: the next turn of an agent
+        # extends it, and continuing it in place saves assembling (copying) the whole prefix.
+        # Taken by acquire and given back by release, so it is never shared by two requests.
+        self.live: tuple[list[int], list] | None = None
         self._signature = None  # this model's segment layout, to check loaded ones against
         self.hits = self.misses = self.evictions = 0
         self.cached_tokens_served = 0
@@ -107,8 +117,9 @@ class PrefixCache:
         """A cache holding the longest cached prefix of prompt[:-1], and its length."""
         self._pinned.clear()  # a request that failed never released its pins
         wanted = prompt[:-1]  # the last prompt token is fed by the first decode round
+        live, self.live = self.live, None
         if self.kind == "segments" and wanted:
-            cache, n = self._acquire_segments(wanted)
+            cache, n = self._acquire_segments(wanted, live)
         elif self.kind == "checkpoint" and wanted:
             cache, n = self._acquire_checkpoint(wanted)
         else:
@@ -127,21 +138,31 @@ class PrefixCache:
         if n <= 0:
             return
         if self.kind == "segments":
-            path = self.tree.insert(list(tokens[:n]), lambda a, b: slice_segment(cache, a, b))
+            kept = list(tokens[:n])
+            path = self.tree.insert(kept, lambda a, b: slice_segment(cache, a, b))
             if path and self._signature is None:
                 self._signature = segment_signature(path[-1].payload)
+            for node in path:  # new segments go to disk now (a background writer), not at exit
+                self._to_disk(node)
+            self.live = (kept, cache)
         elif self.kind == "checkpoint":
             self._store_checkpoint(tuple(tokens[:n]), cache)
         self._evict()
 
     def close(self) -> None:
         """Write every segment held in RAM to the disk tier (if any)."""
+        self.live = None
         if self.disk is not None:
             for node in list(self.tree.nodes()):
                 self._to_disk(node)
+            self.disk.close()
         self.tree = RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
         self.checkpoints.clear()
         self.checkpoint_bytes = self.checkpoint_tokens = 0
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every segment queued for the disk tier is written (any thread)."""
+        return self.disk.flush(timeout) if self.disk is not None else True
 
     def stats(self) -> dict:
         tokens = self.tree.n_tokens + self.checkpoint_tokens
@@ -166,9 +187,17 @@ class PrefixCache:
 
     # -- segments (radix tree) --------------------------------------------------------
 
-    def _acquire_segments(self, wanted: list[int]) -> tuple[list, int]:
+    def _acquire_segments(self, wanted: list[int], live: tuple[list[int], list] | None) -> tuple[list, int]:
         path = self._match(wanted)
         n = sum(k for _, k in path)
+        if live is not None:
+            live_tokens, live_cache = live
+            m = common_prefix(live_tokens, wanted)
+            if m and m >= n and (m == len(live_tokens) or can_trim_prompt_cache(live_cache)):
+                trim_prompt_cache(live_cache, len(live_tokens) - m)  # no copy: continued in place
+                self._pinned.update(node for node, _ in path)
+                self.tree.touch(node for node, _ in path)
+                return live_cache, m
         if not n:
             return self.new_cache(), 0
         self._pinned.update(node for node, _ in path)
@@ -207,9 +236,15 @@ class PrefixCache:
                 continue
             if self._signature is None:
                 self._signature = segment_signature(segment)
-            nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 else cut_segment(segment, a, b), start=base)
+            # Only the part the prompt matches: its node's key is then the one that files written
+            # after a split of this edge continue from (the file itself still holds it all).
+            k = found[1]
+            if k < len(tokens):
+                tokens, segment = tokens[:k], cut_segment(segment, 0, k)
+            nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 and b == len(tokens)
+                                     else cut_segment(segment, a, b), start=base)
             if nodes and nodes[-1].parent is base and nodes[-1].tokens == tokens:
-                nodes[-1].on_disk = True
+                nodes[-1].on_disk = True  # whole, or recoverable from its file by a partial match
 
     def _to_disk(self, node: Node) -> None:
         if self.disk is not None and not node.on_disk:

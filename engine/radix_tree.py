@@ -83,7 +83,9 @@ class RadixTree:
         upper.nbytes = self.size(upper.payload)
         node.payload, node.tokens, node.parent = lower_payload, node.tokens[k:], upper
         node.nbytes = self.size(lower_payload)
-        node.on_disk = False  # the edges changed; the old file (if any) stays valid under the old key
+        # The old file (if any) stays valid under the old key and holds the upper part (a partial
+        # match reads it); the lower part's key changed.
+        upper.on_disk, node.on_disk = node.on_disk, False
         self.nbytes += upper.nbytes + node.nbytes
         upper.last_used = node.last_used
         upper.children[node.tokens[0]] = node
