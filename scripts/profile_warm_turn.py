@@ -46,6 +46,14 @@ class Timers:
         setattr(owner, attr, timed)
 
 
+def fixtures_root() -> Path:
+    """../shared/fixtures from the repository root (a worktree one level deeper looks one up too)."""
+    for up in (ROOT.parent, ROOT.parent.parent):
+        if (up / "shared/fixtures").is_dir():
+            return up / "shared/fixtures"
+    return ROOT.parent / "shared/fixtures"
+
+
 def template_text(engine, req) -> str:
     from agent_bridge.chat_request import fold_system_messages
 
@@ -61,7 +69,7 @@ def template_text(engine, req) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--fixture", default=str(ROOT.parent / "shared/fixtures/claude-code/rename-session.jsonl"))
+    ap.add_argument("--fixture", default=str(fixtures_root() / "claude-code/rename-session.jsonl"))
     ap.add_argument("--context-window", type=int, default=None)
     ap.add_argument("--json", action="store_true", help="print one JSON object per turn as well")
     args = ap.parse_args()
