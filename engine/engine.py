@@ -184,7 +184,7 @@ class Engine:
         return future.result()
 
     def encode(self, text: str) -> list[int]:
-        return self.target.encode(text)
+        return self._pieces.encode(text)  # equal to target.encode(text); re-sent pieces not re-tokenised
 
     def decode(self, ids: list[int]) -> str:
         return self.target.decode(ids)

@@ -10,6 +10,7 @@ mostly rejected and doubles it back after full acceptances.
 from __future__ import annotations
 
 from .drafter import Draft, Drafter
+from .radix_tree import common_prefix
 
 NGRAM_SIZES = (8, 4, 2)  # probe the most specific first
 MAX_CANDIDATES = 16  # most recent occurrences examined per query
@@ -96,20 +97,6 @@ class TokenIndex:
         while m < limit and self.tokens[end - m] == suffix[-1 - m]:
             m += 1
         return m
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared in C
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class ContextIndexCache:

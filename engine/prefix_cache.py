@@ -25,7 +25,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from .kv_disk import DiskTier
-from .lookup import common_prefix
 from .kv_segments import (
     build_cache,
     cache_kind,
@@ -36,7 +35,7 @@ from .kv_segments import (
     segment_signature,
     slice_segment,
 )
-from .radix_tree import Node, RadixTree
+from .radix_tree import Node, RadixTree, common_prefix
 
 log = logging.getLogger(__name__)
 

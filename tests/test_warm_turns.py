@@ -9,7 +9,8 @@ import random
 import pytest
 
 from engine import Engine, GenerationRequest
-from engine.lookup import ContextIndexCache, TokenIndex, common_prefix
+from engine.lookup import ContextIndexCache, TokenIndex
+from engine.radix_tree import common_prefix
 from engine.piece_encoder import PieceEncoder
 
 from test_prefix_cache import gen, rand_tokens, same
