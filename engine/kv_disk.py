@@ -36,6 +36,7 @@ from .kv_disk_writer import FileJob, DiskWriter, host_tensor
 log = logging.getLogger(__name__)
 
 FORMAT = "mlx-dspark-kv/1"
+CHECKPOINT = "ckpt"  # the "parent" part of a whole-state checkpoint's file name
 SUFFIX = ".safetensors"
 KEY_CHARS = 32
 STALE_TMP_S = 3600
@@ -74,6 +75,16 @@ def read_tokens(path: Path) -> array.array:
     if len(tokens) != info["shape"][0]:
         raise ValueError("tokens shape mismatch")
     return tokens
+
+
+def read_metadata(path: Path) -> dict:
+    """The `__metadata__` of a safetensors file, read without its arrays."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8 or n > 64 << 20:
+            raise ValueError("header longer than the file")
+        return json.loads(f.read(n)).get("__metadata__", {})
 
 
 class DiskTier:
@@ -246,6 +257,77 @@ class DiskTier:
                 self.queued_parents[parent] -= 1
             return False
         return True
+
+    # -- whole-state checkpoints (sliding-window and recurrent models) -------------------
+    # mlx-lm's prompt-cache file layout (mlx_lm.models.cache.load_prompt_cache reads it), named
+    # ckpt_<hash of its tokens>_<digest>.safetensors; its tokens are in the metadata.
+
+    def write_checkpoint(self, key: str, tokens: list[int], cache: list) -> bool:
+        from mlx.utils import tree_flatten
+
+        key = key[:KEY_CHARS]
+        if key in self.by_end:
+            return True
+        scalars: list = [""]  # as save_prompt_cache: non-array state as arrays, noted here
+        items = []
+        for name, data in tree_flatten([c.state for c in cache]):
+            if not isinstance(data, mx.array):
+                kind = "none" if data is None else "string" if isinstance(data, str) else "scalar"
+                if kind == "string":
+                    data = mx.array([ord(ch) for ch in data])
+                else:
+                    data = mx.array([]) if data is None else mx.array(data)
+                scalars.append((name, kind))
+            items.append((name, data))
+        mx.eval([a for _, a in items])
+        tensors = [host_tensor(name, a) for name, a in items]
+        own = {"format": FORMAT, "identity": self.identity, "tokens": json.dumps(list(tokens))}
+        meta = dict(tree_flatten([own, [type(c).__name__ for c in cache], scalars]))
+        token_array = array.array("i", tokens)
+
+        def written(path: Path, digest: str, size: int) -> None:  # on the writer thread
+            with self.lock:
+                self._add_locked(DiskEntry(path, CHECKPOINT, key, digest, size, token_array))
+                self.writes += 1
+            self.enforce_cap()
+
+        return self.writer.submit(FileJob(f"{CHECKPOINT}_{key}", tensors, meta, written))
+
+    def best_checkpoint(self, wanted: list[int], longer_than: int) -> DiskEntry | None:
+        """The longest checkpoint file whose tokens start `wanted`, if longer than `longer_than`."""
+        best = None
+        with self.lock:
+            entries = list(self.index.get(CHECKPOINT, ()))
+        for e in entries:
+            if e.tokens is None:
+                try:
+                    e.tokens = array.array("i", json.loads(read_metadata(e.path)["0.tokens"]))
+                except Exception as err:
+                    self._skip(e, f"unreadable header ({err})")
+                    continue
+            n = len(e.tokens)
+            if longer_than < n <= len(wanted) and (best is None or n > len(best.tokens)):
+                if e.tokens.tolist() == wanted[:n]:
+                    best = e
+        return best
+
+    def load_checkpoint(self, e: DiskEntry, n_layers: int) -> list | None:
+        from mlx_lm.models.cache import load_prompt_cache
+
+        try:
+            if _digest(e.path.read_bytes()) != e.digest:
+                raise ValueError("content digest mismatch (truncated or corrupt)")
+            cache, meta = load_prompt_cache(str(e.path), return_metadata=True)
+            if meta.get("format") != FORMAT or meta.get("identity") != self.identity:
+                raise ValueError(f"written by another model or version ({meta.get('identity')})")
+            if json.loads(meta["tokens"]) != e.tokens.tolist() or len(cache) != n_layers:
+                raise ValueError("tokens or layers don't match")
+            mx.eval([c.state for c in cache])
+        except Exception as err:
+            self._skip(e, str(err))
+            return None
+        self.loads += 1
+        return cache
 
     @property
     def writable(self) -> bool:

@@ -35,7 +35,7 @@ from .kv_segments import (
     segment_signature,
     slice_segment,
 )
-from .radix_tree import Node, RadixTree, common_prefix
+from .radix_tree import Node, RadixTree, common_prefix, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class PrefixCache:
         self.checkpoints: dict[tuple, tuple[list, int]] = {}  # tokens -> (cache, last used)
         self.checkpoint_bytes = self.checkpoint_tokens = 0
         self.disk = None
-        if disk_dir is not None and self.kind == "segments":
+        if disk_dir is not None and self.kind in ("segments", "checkpoint"):
             cap = default_max_disk_bytes(disk_dir) if max_disk_bytes is None else int(max_disk_bytes)
             try:
                 self.disk = DiskTier(disk_dir, identity, cap)
@@ -269,6 +269,12 @@ class PrefixCache:
             if len(tokens) <= len(wanted) and (best is None or len(tokens) > len(best)):
                 if list(tokens) == wanted[: len(tokens)]:
                     best = tokens
+        if self.disk is not None:  # a longer one from an earlier run, loaded (and kept) only when it serves
+            entry = self.disk.best_checkpoint(wanted, len(best) if best else 0)
+            loaded = self.disk.load_checkpoint(entry, len(self.new_cache())) if entry is not None else None
+            if loaded is not None:
+                best = tuple(entry.tokens)
+                self._store_checkpoint(best, loaded, to_disk=False)
         if best is None:
             return self.new_cache(), 0
         cache, _ = self.checkpoints[best]
@@ -277,9 +283,13 @@ class PrefixCache:
         # a deep copy: the request writes into its cache in place, the checkpoint must stay
         return copy.deepcopy(cache), len(best)
 
-    def _store_checkpoint(self, tokens: tuple, cache: list) -> None:
+    def _store_checkpoint(self, tokens: tuple, cache: list, to_disk: bool = True) -> None:
         if tokens in self.checkpoints:
             return
+        if to_disk and self.disk is not None:  # written now by the background writer
+            h = self.tree.root.hasher.copy()
+            h.update(token_bytes(list(tokens)))
+            self.disk.write_checkpoint(h.hexdigest(), list(tokens), cache)
         self.tree.clock += 1
         self.checkpoints[tokens] = (cache, self.tree.clock)
         self.checkpoint_bytes += _cache_nbytes(cache)

@@ -213,3 +213,37 @@ def test_read_only_folder_one_warning_serving_goes_on(tiny_model_dir, plain, tmp
     assert [rec["cached"] for rec in lines[1:-1]] == [len(p) for p in prompts[:-1]]
     warnings = [m for m in lines[-1]["warnings"] if "prefix cache" in m]
     assert len(warnings) == 1, warnings
+
+
+def test_checkpoint_models_get_a_disk_tier(tmp_path_factory, tmp_path):
+    """Sliding-window (and recurrent) models keep whole-state checkpoints: those go to disk too."""
+    from tiny_models import build_tiny_model
+
+    d = build_tiny_model(tmp_path_factory.mktemp("tiny-swa-disk"), arch="llama", seed=4)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    (d / "config.json").write_text(json.dumps(cfg))
+    prompt = rand_tokens(200, 120)
+    with Engine(str(d), prefix_cache=False) as ref:
+        e = Engine(str(d), prefix_cache_dir=tmp_path)
+        try:
+            assert e.cache_stats()["kind"] == "checkpoint"
+            first, _ = out(e, prompt)
+            assert first == out(ref, prompt)[0]
+            assert e.flush_disk(timeout=30)  # written as stored, not at close
+            assert files(tmp_path)
+            turn2 = prompt + first + rand_tokens(30, 121)
+            with Engine(str(d), prefix_cache_dir=tmp_path) as restarted:  # another process's view
+                got, cached = out(restarted, turn2)
+                assert got == out(ref, turn2)[0]
+                assert cached >= len(prompt)
+                assert restarted.cache_stats()["disk_loads"] == 1
+                # a torn checkpoint is skipped, never used
+                for f in files(tmp_path):
+                    f.write_bytes(f.read_bytes()[:-50])
+            with Engine(str(d), prefix_cache_dir=tmp_path) as torn:
+                got, cached = out(torn, turn2)
+                assert got == out(ref, turn2)[0] and cached == 0
+                assert torn.cache_stats()["disk_skipped"] >= 1
+        finally:
+            e.close()
