@@ -247,3 +247,51 @@ def test_checkpoint_models_get_a_disk_tier(tmp_path_factory, tmp_path):
                 assert torn.cache_stats()["disk_skipped"] >= 1
         finally:
             e.close()
+
+
+def _children_named(word: bytes) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and word in cmd:
+            out.append(int(d))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the server's pid through /proc")
+def test_mcp_stdio_sigterm_keeps_the_cache(tiny_model_dir, tmp_path):
+    import asyncio
+
+    from mcp import Client, StdioServerParameters
+
+    from test_mcp_stdio import mlx_dspark
+
+    cache = tmp_path / "cache"
+    params = StdioServerParameters(command=mlx_dspark(), env={**os.environ},
+                                   args=["mcp", "--model", str(tiny_model_dir), "--root", str(tmp_path),
+                                         "--prefix-cache-dir", str(cache)])
+    ended = {}
+
+    async def go():
+        try:
+            async with Client(params, read_timeout_seconds=120) as client:
+                gen = await client.call_tool("generate", {"prompt": "def add(a, b):\n    return", "max_tokens": 8})
+                assert not gen.is_error
+                (pid,) = _children_named(b"mcp")
+                os.kill(pid, signal.SIGTERM)
+                deadline = time.time() + 60
+                while time.time() < deadline and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
+                    await asyncio.sleep(0.1)
+                ended["zombie"] = "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+        except Exception:  # the client notices its server is gone
+            pass
+
+    asyncio.run(go())
+    assert ended.get("zombie"), "the mcp server did not end on SIGTERM"
+    assert files(cache)
