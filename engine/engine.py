@@ -317,7 +317,12 @@ class Engine:
                 raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
             else:
                 hard_cap = cap
-            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap, hard_cap=hard_cap)
+            # Never verify more draft than the request can still emit (a round adds one token of its
+            # own): a 1-token request, or the last round of any, drafts nothing it would throw away.
+            left = lambda: max(0, max_tokens - len(out) - 1)  # noqa: E731
+            cap_now = cap if callable(cap) else (lambda c=cap: c)
+            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling,
+                                        lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()))
 
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids

@@ -63,7 +63,7 @@ def speculative_rounds(
     sampling: SamplingParams,
     max_draft: int | Callable[[], int],
     rng: np.random.Generator | None = None,
-    hard_cap: int | None = None,
+    hard_cap: int | Callable[[], int] | None = None,
 ) -> Iterator[Round]:
     """Endless rounds of draft-and-verify; the caller stops iterating when done.
 
@@ -83,7 +83,8 @@ def speculative_rounds(
         # take back a rejected draft: decode plainly, which is always correct.
         rollback = target.can_rollback(cache)
         k = cap() if rollback else 0
-        hard = max(k, hard_cap if hard_cap is not None and rollback else 0)
+        hc = hard_cap() if callable(hard_cap) else hard_cap
+        hard = max(k, hc if hc is not None and rollback else 0)
         draft = drafter.propose(k) if hard > 0 else None
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]
