@@ -111,7 +111,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited at start; see {self.log}")
             try:
-                httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
+                httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2)
                 return time.perf_counter() - t0
             except httpx.HTTPError:
                 time.sleep(0.25)

@@ -146,3 +146,17 @@ def test_live_cache_with_quantised_kv(tmp_path_factory):
             assert got == want
             prompt = (prompt + got)[: len(prompt) + 4] + rand_tokens(20, 60 + turn)  # diverges in the reply
         assert stats.cached_tokens > 150
+
+
+def test_scripts_skip_cleanly_without_fixtures(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for script, args in (("replay_agent.py", ["--fixtures", str(tmp_path / "absent.jsonl")]),
+                         ("profile_warm_turn.py", ["--fixture", str(tmp_path / "absent.jsonl")])):
+        run = subprocess.run([sys.executable, str(root / "scripts" / script), *args], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert "skipped" in run.stdout + run.stderr
