@@ -1,12 +1,16 @@
 """The prefix cache: reuse the KV state of earlier requests that share a prompt's prefix.
 
 Models whose cache can be cut per token keep a radix tree of KV segments (see
-radix_tree.py), bounded by a RAM budget with LRU eviction of leaves into an optional
-disk tier (kv_disk.py). Models whose cache can't be cut (sliding windows, recurrent
-layers) keep whole-state checkpoints at the end of finished requests instead: an
-append-only next turn resumes from one; anything else prefills from scratch.
+radix_tree.py), bounded by a RAM budget with LRU eviction of leaves. Models whose cache
+can't be cut (sliding windows, recurrent layers) keep whole-state checkpoints at the end
+of finished requests instead: an append-only next turn resumes from one; anything else
+prefills from scratch. With a disk tier (kv_disk.py), segments and checkpoints are
+written by a background writer as they are made, and read back lazily after a restart.
+The last request's own cache stays live: the next turn that extends it continues it in
+place instead of assembling a copy from segments.
 
-Runs on the engine thread only; `stats()` reads plain counters, from any thread.
+Runs on the engine thread only; `stats()` reads plain counters and `flush()` waits for
+the writer, from any thread.
 """
 
 from __future__ import annotations
