@@ -24,8 +24,8 @@ from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
-from .modes import attach_drafter, make_drafter, resolve_mode
 from .lookup import ContextIndexCache
+from .modes import attach_drafter, make_drafter, resolve_mode
 from .piece_encoder import PieceEncoder
 from .prefix_cache import PrefixCache, cache_identity
 from .sampling import SamplingParams
