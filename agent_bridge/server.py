@@ -192,5 +192,29 @@ def create_app(
 def serve(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level: str = "info", **app_kwargs: Any) -> None:
     import uvicorn
 
+    app_kwargs["lifespan"] = closing_engine(engine, app_kwargs.get("lifespan"))
     uvicorn.run(create_app(engine, **app_kwargs), host=host, port=port, log_level=log_level,
-                timeout_keep_alive=30)
+                timeout_keep_alive=30, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+
+
+SHUTDOWN_GRACE_S = 10  # open streams get this long after SIGTERM before they are cut
+
+
+def closing_engine(engine: Any, inner: Any = None):
+    """A lifespan that closes the engine (its disk tier written) when the server shuts down.
+
+    uvicorn re-raises SIGTERM/SIGINT once its own shutdown is done, which ends the process
+    before any `with engine:` around `serve()` can close it: the lifespan runs before that."""
+    import contextlib
+
+    from starlette.concurrency import run_in_threadpool
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async with (inner(app) if inner is not None else contextlib.nullcontext()):
+            try:
+                yield
+            finally:
+                await run_in_threadpool(engine.close)
+
+    return lifespan

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .errors import InvalidRequestError
 
@@ -12,9 +12,11 @@ def render_chat(
     messages: list[dict],
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
+    encode: Callable[[str], list[int]] | None = None,
     **template_kwargs: Any,
 ) -> list[int]:
-    """Apply the tokenizer's chat template (mlx-lm's wrapper) and tokenize."""
+    """Apply the tokenizer's chat template (mlx-lm's wrapper) and tokenize (with `encode`, e.g. a
+    PieceEncoder's, when given: the ids must equal the tokenizer's own, special tokens not added)."""
     if not getattr(tokenizer, "has_chat_template", False):
         # No template: plain concatenation of the contents, the one thing that works with any model.
         text = "\n".join(str(m.get("content", "")) for m in messages)
@@ -29,4 +31,6 @@ def render_chat(
         )
     except Exception as e:  # jinja errors on messages the template can't render
         raise InvalidRequestError(f"the model's chat template rejected the messages: {e}") from e
+    if encode is not None:
+        return encode(text)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -35,6 +35,12 @@ class Drafter:
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation begins with this prompt (all of it is committed context)."""
 
+    def use_context_cache(self, contexts) -> None:
+        """The engine's lookup.ContextIndexCache: a lookup index to continue, not rebuild."""
+
+    def finish(self) -> None:
+        """The generation ended normally: hand back what the next one may continue."""
+
     def propose(self, max_len: int) -> Draft:
         """At most max_len tokens; only a `verbatim` draft may be longer (the loop bounds it)."""
         return Draft([])

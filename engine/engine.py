@@ -24,8 +24,10 @@ from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
+from .lookup import ContextIndexCache
 from .loop_guard import LoopGuard
 from .modes import attach_drafter, make_drafter, resolve_mode
+from .piece_encoder import PieceEncoder
 from .prefix_cache import PrefixCache, cache_identity
 from .sampling import SamplingParams
 from .stops import TextAssembler
@@ -135,6 +137,8 @@ class Engine:
         self._thread.start()
         loaded.result()  # re-raises ModelLoadError here, in the caller's thread
         self.context_window = context_window or self.target.context_window
+        self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
+        self._contexts = ContextIndexCache()  # the last request's lookup index, continued
         if drafter or drafter_bits:  # a head checkpoint given by the user: load and pair it now
             try:
                 self.call(lambda t: attach_drafter(t, drafter, drafter_bits))
@@ -187,13 +191,13 @@ class Engine:
         return future.result()
 
     def encode(self, text: str) -> list[int]:
-        return self.target.encode(text)
+        return self._pieces.encode(text)  # equal to target.encode(text); re-sent pieces not re-tokenised
 
     def decode(self, ids: list[int]) -> str:
         return self.target.decode(ids)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
-        return render_chat(self.tokenizer, messages, tools=tools, **kwargs)
+        return render_chat(self.tokenizer, messages, tools=tools, encode=self._pieces.encode, **kwargs)
 
     def add_corpus(self, token_ids: list[int]) -> None:
         """Remember a sequence (a file an agent read, say) for lookup drafting in later requests."""
@@ -216,6 +220,11 @@ class Engine:
     def cache_stats(self) -> dict | None:
         """Prefix-cache counters (entries, bytes in RAM and on disk, hits...); None when it's off."""
         return self.prefix_cache.stats() if self.prefix_cache is not None else None
+
+    def flush_disk(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the prefix cache's queued disk writes are done (from any thread, without
+        waiting for the engine thread): what a SIGTERM handler calls before the process ends."""
+        return self.prefix_cache.flush(timeout) if self.prefix_cache is not None else True
 
     def close(self) -> None:
         if not self._closed:
@@ -284,6 +293,7 @@ class Engine:
         job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
         drafter = None if mode == "baseline" else make_drafter(mode, target, [*self.corpus, *req.corpus])
         if drafter is not None:
+            drafter.use_context_cache(self._contexts)
             drafter.start(prompt)
             if not target.can_rollback(cache):
                 stats.note = "this model's cache can't be rolled back: decoding without drafts"
@@ -316,7 +326,12 @@ class Engine:
                 raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
             else:
                 hard_cap = cap
-            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap, hard_cap=hard_cap)
+            # Never verify more draft than the request can still emit (a round adds one token of its
+            # own): a 1-token request, or the last round of any, drafts nothing it would throw away.
+            left = lambda: max(0, max_tokens - len(out) - 1)  # noqa: E731
+            cap_now = cap if callable(cap) else (lambda c=cap: c)
+            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling,
+                                        lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()))
 
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids
@@ -363,6 +378,8 @@ class Engine:
             if new_ids or text:
                 job.emit(Tokens(new_ids, text))
         rounds.close()
+        if drafter is not None:
+            drafter.finish()
         tail = assembler.finish()
         if tail:
             job.emit(Tokens([], tail))

@@ -11,26 +11,32 @@ version), which also names the folder, so another model's files are never read.
 A file that is truncated, corrupt or foreign is skipped with a warning and never
 trusted: the digest is checked before anything is loaded. Writes go to a temp file
 then os.replace; the size cap deletes the oldest files first (loads refresh mtime).
+Writing happens on a background thread (kv_disk_writer.py) as segments are made; the
+index is shared with it under a lock.
 """
 
 from __future__ import annotations
 
-import hashlib
 import array
+import collections
+import hashlib
 import json
 import logging
 import os
 import struct
+import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
+from .kv_disk_writer import FileJob, DiskWriter, host_tensor
+
 log = logging.getLogger(__name__)
 
 FORMAT = "mlx-dspark-kv/1"
+CHECKPOINT = "ckpt"  # the "parent" part of a whole-state checkpoint's file name
 SUFFIX = ".safetensors"
 KEY_CHARS = 32
 STALE_TMP_S = 3600
@@ -71,6 +77,16 @@ def read_tokens(path: Path) -> array.array:
     return tokens
 
 
+def read_metadata(path: Path) -> dict:
+    """The `__metadata__` of a safetensors file, read without its arrays."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8 or n > 64 << 20:
+            raise ValueError("header longer than the file")
+        return json.loads(f.read(n)).get("__metadata__", {})
+
+
 class DiskTier:
     def __init__(self, root: str | os.PathLike, identity: str, max_bytes: int):
         self.root = Path(root).expanduser()
@@ -82,7 +98,10 @@ class DiskTier:
         self.by_end: dict[str, DiskEntry] = {}
         self.nbytes = 0
         self.writes = self.loads = self.skipped = self.deleted = 0
+        self.lock = threading.RLock()  # the index is shared with the writer thread
+        self.queued_parents: collections.Counter = collections.Counter()  # files queued, by parent key
         self._scan()
+        self.writer = DiskWriter(self.dir, SUFFIX)
 
     # -- index ----------------------------------------------------------------------
 
@@ -107,11 +126,24 @@ class DiskTier:
             self._add(DiskEntry(p, parts[0], parts[1], parts[2], size))
 
     def _add(self, e: DiskEntry) -> None:
+        with self.lock:
+            self._add_locked(e)
+
+    def _add_locked(self, e: DiskEntry) -> None:
         self.index.setdefault(e.parent, []).append(e)
         self.by_end[e.end] = e
         self.nbytes += e.size
 
     def _drop(self, e: DiskEntry, unlink: bool) -> None:
+        with self.lock:
+            self._drop_locked(e)
+        if unlink:
+            try:
+                e.path.unlink()
+            except OSError:
+                pass
+
+    def _drop_locked(self, e: DiskEntry) -> None:
         entries = self.index.get(e.parent, [])
         if e in entries:
             entries.remove(e)
@@ -120,11 +152,6 @@ class DiskTier:
             self.nbytes -= e.size
         if self.by_end.get(e.end) is e:
             del self.by_end[e.end]
-        if unlink:
-            try:
-                e.path.unlink()
-            except OSError:
-                pass
 
     def _skip(self, e: DiskEntry, why: str) -> None:
         log.warning("prefix cache: skipping %s: %s", e.path, why)
@@ -139,8 +166,13 @@ class DiskTier:
 
     def best(self, parent_key: str, tokens: list[int], exclude: set) -> tuple[DiskEntry, int] | None:
         """The file continuing `parent_key` that matches most of `tokens`, and how many it matches."""
+        parent = parent_key[:KEY_CHARS]
+        if self.queued_parents.get(parent):  # a file that may continue here is being written
+            self.writer.flush(timeout=30)
         best = None
-        for e in list(self.index.get(parent_key[:KEY_CHARS], ())):
+        with self.lock:
+            entries = list(self.index.get(parent, ()))
+        for e in entries:
             if e.path in exclude:
                 continue
             if e.tokens is None:
@@ -197,33 +229,116 @@ class DiskTier:
         return end_key[:KEY_CHARS] in self.by_end
 
     def write(self, parent_key: str, end_key: str, tokens: list[int], segment: list[list[mx.array]]) -> bool:
+        """Queue a segment's file for the background writer; False if it can't be queued."""
         parent, end = parent_key[:KEY_CHARS], end_key[:KEY_CHARS]
         if end in self.by_end:
             return True
-        arrays = {"tokens": mx.array(tokens, dtype=mx.int32)}
+        tok = mx.array(tokens, dtype=mx.int32)
+        mx.eval(tok)
+        tensors = [host_tensor("tokens", tok)]
         for i, layer in enumerate(segment):
             for j, a in enumerate(layer):
-                arrays[f"l{i}.{j}"] = a
+                tensors.append(host_tensor(f"l{i}.{j}", a))
         meta = {"format": FORMAT, "identity": self.identity, "parent": parent, "end": end,
                 "layers": str(len(segment)), "arrays": str(len(segment[0]) if segment else 0)}
-        tmp = self.dir / f".tmp-{uuid.uuid4().hex}{SUFFIX}"
-        try:
-            mx.save_safetensors(str(tmp), arrays, metadata=meta)
-            data = tmp.read_bytes()
-            digest = _digest(data)
-            final = self.dir / f"{parent}_{end}_{digest}{SUFFIX}"
-            os.replace(tmp, final)
-        except Exception as err:  # a full disk or a read-only folder must not fail the request
-            log.warning("prefix cache: could not write to %s: %s", self.dir, err)
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
+        token_array = array.array("i", tokens)
+
+        def written(path: Path, digest: str, size: int) -> None:  # on the writer thread
+            with self.lock:
+                self.queued_parents[parent] -= 1
+                self._add_locked(DiskEntry(path, parent, end, digest, size, token_array))
+                self.writes += 1
+            self.enforce_cap()
+
+        with self.lock:
+            self.queued_parents[parent] += 1
+        if not self.writer.submit(FileJob(f"{parent}_{end}", tensors, meta, written)):
+            with self.lock:
+                self.queued_parents[parent] -= 1
             return False
-        self._add(DiskEntry(final, parent, end, digest, len(data), array.array("i", tokens)))
-        self.writes += 1
-        self.enforce_cap()
         return True
+
+    # -- whole-state checkpoints (sliding-window and recurrent models) -------------------
+    # mlx-lm's prompt-cache file layout (mlx_lm.models.cache.load_prompt_cache reads it), named
+    # ckpt_<hash of its tokens>_<digest>.safetensors; its tokens are in the metadata.
+
+    def write_checkpoint(self, key: str, tokens: list[int], cache: list) -> bool:
+        from mlx.utils import tree_flatten
+
+        key = key[:KEY_CHARS]
+        if key in self.by_end:
+            return True
+        scalars: list = [""]  # as save_prompt_cache: non-array state as arrays, noted here
+        items = []
+        for name, data in tree_flatten([c.state for c in cache]):
+            if not isinstance(data, mx.array):
+                kind = "none" if data is None else "string" if isinstance(data, str) else "scalar"
+                if kind == "string":
+                    data = mx.array([ord(ch) for ch in data])
+                else:
+                    data = mx.array([]) if data is None else mx.array(data)
+                scalars.append((name, kind))
+            items.append((name, data))
+        mx.eval([a for _, a in items])
+        tensors = [host_tensor(name, a) for name, a in items]
+        own = {"format": FORMAT, "identity": self.identity, "tokens": json.dumps(list(tokens))}
+        meta = dict(tree_flatten([own, [type(c).__name__ for c in cache], scalars]))
+        token_array = array.array("i", tokens)
+
+        def written(path: Path, digest: str, size: int) -> None:  # on the writer thread
+            with self.lock:
+                self._add_locked(DiskEntry(path, CHECKPOINT, key, digest, size, token_array))
+                self.writes += 1
+            self.enforce_cap()
+
+        return self.writer.submit(FileJob(f"{CHECKPOINT}_{key}", tensors, meta, written))
+
+    def best_checkpoint(self, wanted: list[int], longer_than: int) -> DiskEntry | None:
+        """The longest checkpoint file whose tokens start `wanted`, if longer than `longer_than`."""
+        best = None
+        with self.lock:
+            entries = list(self.index.get(CHECKPOINT, ()))
+        for e in entries:
+            if e.tokens is None:
+                try:
+                    e.tokens = array.array("i", json.loads(read_metadata(e.path)["0.tokens"]))
+                except Exception as err:
+                    self._skip(e, f"unreadable header ({err})")
+                    continue
+            n = len(e.tokens)
+            if longer_than < n <= len(wanted) and (best is None or n > len(best.tokens)):
+                if e.tokens.tolist() == wanted[:n]:
+                    best = e
+        return best
+
+    def load_checkpoint(self, e: DiskEntry, n_layers: int) -> list | None:
+        from mlx_lm.models.cache import load_prompt_cache
+
+        try:
+            if _digest(e.path.read_bytes()) != e.digest:
+                raise ValueError("content digest mismatch (truncated or corrupt)")
+            cache, meta = load_prompt_cache(str(e.path), return_metadata=True)
+            if meta.get("format") != FORMAT or meta.get("identity") != self.identity:
+                raise ValueError(f"written by another model or version ({meta.get('identity')})")
+            if json.loads(meta["tokens"]) != e.tokens.tolist() or len(cache) != n_layers:
+                raise ValueError("tokens or layers don't match")
+            mx.eval([c.state for c in cache])
+        except Exception as err:
+            self._skip(e, str(err))
+            return None
+        self.loads += 1
+        return cache
+
+    @property
+    def writable(self) -> bool:
+        return self.writer.failed is None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the queued files to be written."""
+        return self.writer.flush(timeout)
+
+    def close(self, timeout: float | None = 60.0) -> bool:
+        return self.writer.close(timeout)
 
     def enforce_cap(self) -> None:
         """Delete the oldest files under the cache folder (every identity's) until under the cap."""
@@ -237,7 +352,8 @@ class DiskTier:
         total = sum(f[2] for f in files)
         if total <= self.max_bytes:
             return
-        ours = {e.path: e for e in self.by_end.values()}
+        with self.lock:
+            ours = {e.path: e for e in self.by_end.values()}
         for _, p, size in sorted(files, key=lambda f: (f[0], str(f[1]))):
             if total <= self.max_bytes:
                 break

@@ -10,6 +10,7 @@ mostly rejected and doubles it back after full acceptances.
 from __future__ import annotations
 
 from .drafter import Draft, Drafter
+from .radix_tree import common_prefix
 
 NGRAM_SIZES = (8, 4, 2)  # probe the most specific first
 MAX_CANDIDATES = 16  # most recent occurrences examined per query
@@ -51,6 +52,18 @@ class TokenIndex:
                     key = tuple(self.tokens[end - n + 1 : end + 1])
                     self.positions.setdefault(key, []).append(end)
 
+    def truncate(self, n: int) -> None:
+        """Forget every token from position n on (their n-grams are the lists' tails)."""
+        for end in range(len(self.tokens) - 1, n - 1, -1):
+            for size in NGRAM_SIZES:
+                if end + 1 >= size:
+                    key = tuple(self.tokens[end - size + 1 : end + 1])
+                    ends = self.positions[key]
+                    ends.pop()
+                    if not ends:
+                        del self.positions[key]
+        del self.tokens[n:]
+
     def best_match(self, suffix: list[int], exclude_end: int | None = None) -> tuple[int, int, int]:
         """(draft length, match length, end position) of the best earlier occurrence of
         `suffix`'s tail: the one allowing the longest draft (its match length scaled,
@@ -86,6 +99,31 @@ class TokenIndex:
         return m
 
 
+class ContextIndexCache:
+    """The last request's context index, continued by the next prompt instead of rebuilt.
+
+    An agent's next prompt is the last one plus a reply and a tool result: the index of
+    the shared start is kept, the rest cut and the new tokens added. A drafter takes the
+    index for its request and gives it back when done, so two requests never share one."""
+
+    def __init__(self):
+        self.index: TokenIndex | None = None
+
+    def index_for(self, tokens: list[int]) -> TokenIndex:
+        index, self.index = self.index, None
+        if index is None:
+            return TokenIndex(tokens)
+        m = common_prefix(index.tokens, tokens)
+        if (len(index) - m) + (len(tokens) - m) >= len(tokens):  # cheaper to start over
+            return TokenIndex(tokens)
+        index.truncate(m)
+        index.extend(tokens[m:])
+        return index
+
+    def keep(self, index: TokenIndex) -> None:
+        self.index = index
+
+
 class LookupDrafter(Drafter):
     name = "lookup"
 
@@ -94,10 +132,19 @@ class LookupDrafter(Drafter):
         self.context = TokenIndex()
         self.min_limit = min_limit
         self.limit = 1 << 30  # the gate; the caller's cap bounds it too
+        self.contexts: ContextIndexCache | None = None
+
+    def use_context_cache(self, contexts: ContextIndexCache) -> None:
+        self.contexts = contexts
 
     def start(self, prompt_ids: list[int]) -> None:
-        self.context = TokenIndex(prompt_ids)
+        self.context = self.contexts.index_for(prompt_ids) if self.contexts else TokenIndex(prompt_ids)
         self.limit = 1 << 30
+
+    def finish(self) -> None:
+        if self.contexts is not None:
+            self.contexts.keep(self.context)
+            self.context = TokenIndex()
 
     def add_corpus(self, doc: list[int]) -> None:
         if len(doc) > 1:

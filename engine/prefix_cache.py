@@ -1,15 +1,19 @@
 """The prefix cache: reuse the KV state of earlier requests that share a prompt's prefix.
 
 Models whose cache can be cut per token keep a radix tree of KV segments (see
-radix_tree.py), bounded by a RAM budget with LRU eviction of leaves into an optional
-disk tier (kv_disk.py). Models with layers that can't be cut (sliding windows,
-recurrent layers) keep checkpoints at each prompt's end and each turn's end: their
-attention layers still put per-token segments in the tree (shared between branches),
-the other layers keep a whole copy of their state at that point. A prompt resumes
-from the longest checkpoint it starts with, so one that diverges mid-conversation
-resumes from the nearest checkpoint before the divergence.
+radix_tree.py), bounded by a RAM budget with LRU eviction of leaves. Models with layers
+that can't be cut (sliding windows, recurrent layers) keep checkpoints at each prompt's
+end and each turn's end: their attention layers still put per-token segments in the tree
+(shared between branches), the other layers keep a whole copy of their state at that
+point. A prompt resumes from the longest checkpoint it starts with, so one that diverges
+mid-conversation resumes from the nearest checkpoint before the divergence. With a disk
+tier (kv_disk.py), segments and checkpoints are written by a background writer as they
+are made, and read back lazily after a restart. The last request's own cache stays live:
+the next turn that extends it continues it in place instead of assembling a copy from
+segments.
 
-Runs on the engine thread only; `stats()` reads plain counters, from any thread.
+Runs on the engine thread only; `stats()` reads plain counters and `flush()` waits for
+the writer, from any thread.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
 from .kv_disk import DiskTier
 from .kv_segments import (
     build_cache,
@@ -38,7 +44,7 @@ from .kv_segments import (
     slice_segment,
     state_layers,
 )
-from .radix_tree import Node, RadixTree
+from .radix_tree import Node, RadixTree, common_prefix, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +104,17 @@ class PrefixCache:
         self.checkpoints: dict[tuple, tuple[list, int]] = {}  # tokens -> (cache, last used)
         self.checkpoint_bytes = self.checkpoint_tokens = 0
         self.disk = None
-        if disk_dir is not None and self.kind == "segments":
+        if disk_dir is not None and self.kind in ("segments", "checkpoint"):
             cap = default_max_disk_bytes(disk_dir) if max_disk_bytes is None else int(max_disk_bytes)
-            self.disk = DiskTier(disk_dir, identity, cap)
+            try:
+                self.disk = DiskTier(disk_dir, identity, cap)
+            except OSError as err:  # a read-only or unusable folder: serve from RAM
+                log.warning("prefix cache: no disk tier at %s (%s); serving goes on from RAM", disk_dir, err)
         self._pinned: set[Node] = set()
+        # The last request's own cache and the tokens it holds: the next turn of an agent
+        # extends it, and continuing it in place saves assembling (copying) the whole prefix.
+        # Taken by acquire and given back by release, so it is never shared by two requests.
+        self.live: tuple[list[int], list] | None = None
         self._signature = None  # this model's segment layout, to check loaded ones against
         self.hits = self.misses = self.evictions = 0
         self.cached_tokens_served = 0
@@ -112,8 +125,9 @@ class PrefixCache:
         """A cache holding the longest cached prefix of prompt[:-1], and its length."""
         self._pinned.clear()  # a request that failed never released its pins
         wanted = prompt[:-1]  # the last prompt token is fed by the first decode round
+        live, self.live = self.live, None
         if self.kind == "segments" and wanted:
-            cache, n = self._acquire_segments(wanted)
+            cache, n = self._acquire_segments(wanted, live)
         elif self.kind == "checkpoint" and wanted:
             cache, n = self._acquire_checkpoint(wanted)
         else:
@@ -132,9 +146,13 @@ class PrefixCache:
         if n <= 0:
             return
         if self.kind == "segments":
-            path = self.tree.insert(list(tokens[:n]), lambda a, b: slice_segment(cache, a, b))
+            kept = list(tokens[:n])
+            path = self.tree.insert(kept, lambda a, b: slice_segment(cache, a, b))
             if path and self._signature is None:
                 self._signature = segment_signature(path[-1].payload)
+            for node in path:  # new segments go to disk now (a background writer), not at exit
+                self._to_disk(node)
+            self.live = (kept, cache)
         elif self.kind == "checkpoint":
             self.checkpoint(tokens[:n], cache)
         self._evict()
@@ -146,7 +164,8 @@ class PrefixCache:
             return
         attention = segment_layers(cache)
         if attention:
-            self.tree.insert(list(tokens), lambda a, b: slice_segment(attention, a, b))
+            for node in self.tree.insert(list(tokens), lambda a, b: slice_segment(attention, a, b)):
+                self._to_disk(node)
         key = tuple(tokens)
         if key not in self.checkpoints:
             # copies: the request goes on writing into its cache (rotating buffers in place)
@@ -155,12 +174,18 @@ class PrefixCache:
 
     def close(self) -> None:
         """Write every segment held in RAM to the disk tier (if any)."""
+        self.live = None
         if self.disk is not None:
             for node in list(self.tree.nodes()):
                 self._to_disk(node)
+            self.disk.close()
         self.tree = RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
         self.checkpoints.clear()
         self.checkpoint_bytes = self.checkpoint_tokens = 0
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every segment queued for the disk tier is written (any thread)."""
+        return self.disk.flush(timeout) if self.disk is not None else True
 
     def stats(self) -> dict:
         tokens = self.tree.n_tokens + self.checkpoint_tokens
@@ -185,9 +210,17 @@ class PrefixCache:
 
     # -- segments (radix tree) --------------------------------------------------------
 
-    def _acquire_segments(self, wanted: list[int]) -> tuple[list, int]:
+    def _acquire_segments(self, wanted: list[int], live: tuple[list[int], list] | None) -> tuple[list, int]:
         path = self._match(wanted)
         n = sum(k for _, k in path)
+        if live is not None:
+            live_tokens, live_cache = live
+            m = common_prefix(live_tokens, wanted)
+            if m and m >= n and (m == len(live_tokens) or can_trim_prompt_cache(live_cache)):
+                trim_prompt_cache(live_cache, len(live_tokens) - m)  # no copy: continued in place
+                self._pinned.update(node for node, _ in path)
+                self.tree.touch(node for node, _ in path)
+                return live_cache, m
         if not n:
             return self.new_cache(), 0
         self._pinned.update(node for node, _ in path)
@@ -226,9 +259,15 @@ class PrefixCache:
                 continue
             if self._signature is None:
                 self._signature = segment_signature(segment)
-            nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 else cut_segment(segment, a, b), start=base)
+            # Only the part the prompt matches: its node's key is then the one that files written
+            # after a split of this edge continue from (the file itself still holds it all).
+            k = found[1]
+            if k < len(tokens):
+                tokens, segment = tokens[:k], cut_segment(segment, 0, k)
+            nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 and b == len(tokens)
+                                     else cut_segment(segment, a, b), start=base)
             if nodes and nodes[-1].parent is base and nodes[-1].tokens == tokens:
-                nodes[-1].on_disk = True
+                nodes[-1].on_disk = True  # whole, or recoverable from its file by a partial match
 
     def _to_disk(self, node: Node) -> None:
         if self.disk is not None and not node.on_disk:
@@ -252,12 +291,18 @@ class PrefixCache:
         cache = self.new_cache()
         attention = segment_layers(cache)
         # the attention layers' segments must cover the checkpoint (eviction may have cut them)
-        reach = sum(k for _, k in self.tree.match(wanted)) if attention else len(wanted)
+        reach = sum(k for _, k in self._match(wanted)) if attention else len(wanted)
         best = None
         for tokens in self.checkpoints:
             if len(tokens) <= reach and (best is None or len(tokens) > len(best)):
                 if list(tokens) == wanted[: len(tokens)]:
                     best = tokens
+        if self.disk is not None:  # a longer one from an earlier run, loaded (and kept) only when it serves
+            entry = self.disk.best_checkpoint(wanted[:reach], len(best) if best else 0)
+            loaded = self.disk.load_checkpoint(entry, len(state_layers(cache))) if entry is not None else None
+            if loaded is not None:
+                best = tuple(entry.tokens)
+                self._store_checkpoint(best, loaded, to_disk=False)
         if best is None:
             return cache, 0
         states, _ = self.checkpoints[best]
@@ -276,9 +321,13 @@ class PrefixCache:
             layer.__dict__.update(copy.deepcopy(saved).__dict__)
         return cache, len(best)
 
-    def _store_checkpoint(self, tokens: tuple, cache: list) -> None:
+    def _store_checkpoint(self, tokens: tuple, cache: list, to_disk: bool = True) -> None:
         if tokens in self.checkpoints:
             return
+        if to_disk and self.disk is not None:  # written now by the background writer
+            h = self.tree.root.hasher.copy()
+            h.update(token_bytes(list(tokens)))
+            self.disk.write_checkpoint(h.hexdigest(), list(tokens), cache)
         self.tree.clock += 1
         self.checkpoints[tokens] = (cache, self.tree.clock)
         self.checkpoint_bytes += _cache_nbytes(cache)

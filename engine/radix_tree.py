@@ -14,6 +14,21 @@ from array import array
 from typing import Any, Callable, Iterator
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (list comparisons run in C: an agent's edges are long)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def token_bytes(tokens: list[int]) -> bytes:
     return array("q", tokens).tobytes()
 
@@ -64,10 +79,7 @@ class RadixTree:
             if child is None:
                 break
             edge = child.tokens
-            k = 1
-            limit = min(len(edge), len(tokens) - pos)
-            while k < limit and edge[k] == tokens[pos + k]:
-                k += 1
+            k = common_prefix(edge, tokens[pos : pos + len(edge)])
             path.append((child, k))
             if k < len(edge):
                 break
@@ -83,7 +95,9 @@ class RadixTree:
         upper.nbytes = self.size(upper.payload)
         node.payload, node.tokens, node.parent = lower_payload, node.tokens[k:], upper
         node.nbytes = self.size(lower_payload)
-        node.on_disk = False  # the edges changed; the old file (if any) stays valid under the old key
+        # The old file (if any) stays valid under the old key and holds the upper part (a partial
+        # match reads it); the lower part's key changed.
+        upper.on_disk, node.on_disk = node.on_disk, False
         self.nbytes += upper.nbytes + node.nbytes
         upper.last_used = node.last_used
         upper.children[node.tokens[0]] = node

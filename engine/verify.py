@@ -69,7 +69,7 @@ def speculative_rounds(
     sampling: SamplingParams,
     max_draft: int | Callable[[], int],
     rng: np.random.Generator | None = None,
-    hard_cap: int | None = None,
+    hard_cap: int | Callable[[], int] | None = None,
 ) -> Iterator[Round]:
     """Endless rounds of draft-and-verify; the caller stops iterating when done.
 
@@ -89,7 +89,8 @@ def speculative_rounds(
     while True:
         t0 = time.perf_counter()
         k = cap() if drafting else 0
-        hard = max(k, hard_cap if hard_cap is not None and drafting else 0)
+        hc = hard_cap() if callable(hard_cap) else hard_cap
+        hard = max(k, hc if hc is not None and drafting else 0)
         draft = drafter.propose(k) if hard > 0 else None
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]

@@ -23,7 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--prefix-cache-max-ram-mb", type=float, default=None,
                    help="RAM for cached KV (default: min(8 GiB, a quarter of the machine's memory))")
     c.add_argument("--prefix-cache-dir", default=None,
-                   help="keep evicted and, on exit, all cached KV here, so a restart starts warm "
+                   help="write cached KV here as it is made (a background writer), so a restart starts warm "
                         "(serve and mcp default: ~/.cache/mlx-dspark/prefix-cache; 'off' for none)")
     c.add_argument("--prefix-cache-max-disk-mb", type=float, default=None,
                    help="disk cap of --prefix-cache-dir (default: min(16 GiB, a quarter of the free space))")

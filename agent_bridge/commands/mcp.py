@@ -37,9 +37,26 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             engine = engine_from_args(args, persistent=True)
         backend = EngineBackend(engine, mode=args.mode)
+    if engine is not None:
+        flush_on_signals(engine)
     try:
         build_server(backend, workspace).run("stdio")
     finally:
         if engine is not None:
             engine.close()
     return 0
+
+
+def flush_on_signals(engine) -> None:
+    """SIGTERM and SIGINT write the prefix cache's queued segments to disk, then end the process
+    as the signal would have (the stdio loop gives no shutdown hook of its own)."""
+    import os
+    import signal
+
+    def handler(signum, frame):
+        engine.flush_disk(timeout=30)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)

@@ -50,6 +50,14 @@ class HeadDrafter(Drafter):
         if self.lookup is not None:
             self.lookup.start(prompt_ids)
 
+    def use_context_cache(self, contexts) -> None:
+        if self.lookup is not None:
+            self.lookup.use_context_cache(contexts)
+
+    def finish(self) -> None:
+        if self.lookup is not None:
+            self.lookup.finish()
+
     def observe_prefill(self, hidden: mx.array) -> None:
         self.prefill_chunks.append(hidden)
         # Positions are counted back from the prompt's end, so the oldest chunks can go as

@@ -1,0 +1,152 @@
+"""Where a warm agent turn's time goes, stage by stage, end to end in one process.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+      .venv/bin/python scripts/profile_warm_turn.py [--model DIR] [--fixture FILE.jsonl]
+
+Replays a recorded Claude Code session (default: ../shared/fixtures/claude-code/rename-session.jsonl)
+the way `serve` handles /v1/messages: body parse, chat template, tokenising, then the engine's
+prefix-cache lookup, KV assembly, drafter start (the lookup index), prefill of the new tokens and
+the first decode round (max_tokens=1). Turn 1 is cold; the later turns are the warm ones. Stages are
+timed by wrapping the engine's own functions (nothing here changes what they do); `other` is the
+rest of the engine's time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STAGES = ("parse", "template", "tokenise", "lookup", "assemble", "drafter", "prefill", "first_round", "other")
+
+
+class Timers:
+    """Wraps functions so that each call adds its wall time to a named stage."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, stage: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            return
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.s[stage] = self.s.get(stage, 0.0) + time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+
+
+def fixtures_root() -> Path:
+    """../shared/fixtures from the repository root (a worktree one level deeper looks one up too)."""
+    for up in (ROOT.parent, ROOT.parent.parent):
+        if (up / "shared/fixtures").is_dir():
+            return up / "shared/fixtures"
+    return ROOT.parent / "shared/fixtures"
+
+
+def template_text(engine, req) -> str:
+    from agent_bridge.chat_request import fold_system_messages
+
+    tok = engine.tokenizer
+    try:
+        return tok.apply_chat_template(req.messages, tools=req.tools or None, add_generation_prompt=True,
+                                       tokenize=False, **req.template_kwargs)
+    except Exception:
+        return tok.apply_chat_template(fold_system_messages(req.messages), tools=req.tools or None,
+                                       add_generation_prompt=True, tokenize=False, **req.template_kwargs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--fixture", default=str(fixtures_root() / "claude-code/rename-session.jsonl"))
+    ap.add_argument("--context-window", type=int, default=None)
+    ap.add_argument("--json", action="store_true", help="print one JSON object per turn as well")
+    args = ap.parse_args()
+    fixture = Path(args.fixture)
+    if not fixture.exists():
+        print(f"skipped: {fixture} not found", file=sys.stderr)
+        return 0
+
+    import engine.engine as engine_mod
+    import engine.prefix_cache as pc_mod
+    from agent_bridge.anthropic_api import parse_request
+    from agent_bridge.chat_request import render
+    from engine import Engine, GenerationRequest
+
+    timers = Timers()
+    timers.wrap(pc_mod, "build_cache", "assemble")
+    timers.wrap(pc_mod.PrefixCache, "_match", "lookup")
+    timers.wrap(engine_mod, "make_drafter", "drafter")
+    timers.wrap(engine_mod, "prefill", "prefill")
+    timers.wrap(pc_mod.PrefixCache, "release", "release")
+    from engine import lookup as lookup_mod
+
+    timers.wrap(lookup_mod.LookupDrafter, "start", "drafter")
+    for name in ("ContextIndexCache",):  # the continued lookup index, where it exists
+        if hasattr(lookup_mod, name):
+            timers.wrap(getattr(lookup_mod, name), "index_for", "drafter")
+
+    lines = [ln for ln in fixture.read_text().splitlines() if ln.strip()]
+    print(f"profiling {len(lines)} turns of {fixture.name}", flush=True)
+    with Engine(args.model, context_window=args.context_window) as engine:
+        rows = []
+        for i, line in enumerate(lines, 1):
+            timers.s.clear()
+            t0 = time.perf_counter()
+            body = json.loads(line)["body"]
+            req = parse_request(body, 4096)
+            t1 = time.perf_counter()
+            template_text(engine, req)
+            t2 = time.perf_counter()
+            ids = render(engine, req)  # template again + tokenising: what serve does
+            t3 = time.perf_counter()
+            job = engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=1))
+            done = job.result()
+            st = done.stats
+            row = {
+                "turn": i,
+                "prompt_tokens": st.prompt_tokens,
+                "cached_tokens": st.cached_tokens,
+                "parse": t1 - t0,
+                "template": t2 - t1,
+                "tokenise": max(0.0, (t3 - t2) - (t2 - t1)),
+                "lookup": timers.s.get("lookup", 0.0),
+                "assemble": timers.s.get("assemble", 0.0),
+                "drafter": timers.s.get("drafter", 0.0),
+                "prefill": timers.s.get("prefill", 0.0),
+                "first_round": max(0.0, st.ttft_s - st.prefill_s),
+                "release": timers.s.get("release", 0.0),
+            }
+            known = sum(row[k] for k in ("lookup", "assemble", "drafter", "prefill", "first_round"))
+            row["other"] = max(0.0, st.ttft_s - known)
+            row["total"] = (t3 - t0) - row["template"] + st.ttft_s  # the template is timed twice above
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            print(f"turn {i}: {st.prompt_tokens} tokens, {st.cached_tokens} cached, "
+                  f"{st.prompt_tokens - st.cached_tokens} new: {row['total'] * 1000:.0f} ms to first token", flush=True)
+    head = f"{'stage (ms)':<12}" + "".join(f"{'turn ' + str(r['turn']):>10}" for r in rows)
+    print("\n" + head)
+    for stage in (*STAGES, "release", "total"):
+        print(f"{stage:<12}" + "".join(f"{r[stage] * 1000:>10.1f}" for r in rows))
+    warm = rows[1:]
+    if warm:
+        not_compute = [r["total"] - r["prefill"] - r["first_round"] for r in warm]
+        print(f"\nwarm turns: not compute (all but prefill and first round) "
+              f"{min(not_compute) * 1000:.0f}-{max(not_compute) * 1000:.0f} ms a turn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Side-by-side replay of recorded agent sessions: `mlx_lm.server` against `mlx-dspark serve`.
+
+    .venv/bin/python scripts/replay_agent.py [--fixtures rename-session,long-session] [--model DIR]
+        [--context-window N] [--no-restarts] [--json OUT.json]
+
+Each request of ../shared/fixtures/claude-code/<name>.jsonl is rendered once, as `serve` renders
+it (the model's chat template, ChatML for the bundled model), and the same text goes to both
+servers' /v1/completions (streaming, max_tokens 1, greedy). Both servers are started here, one at a
+time, on the same model in float32 (a float32 copy is made for mlx_lm.server) with OpenBLAS
+preloaded. Printed per turn: prompt tokens and each server's time to first token; then the total
+waiting, and for `serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and
+restart (a fresh cache folder at the start). Fixtures that are absent are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+            "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3")
+START_TIMEOUT_S = 600
+
+
+def fixtures_root() -> Path:
+    """../shared/fixtures from the repository root (a worktree one level deeper looks one up too)."""
+    for up in (ROOT.parent, ROOT.parent.parent):
+        if (up / "shared/fixtures").is_dir():
+            return up / "shared/fixtures"
+    return ROOT.parent / "shared/fixtures"
+
+
+def load_avg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def server_env() -> dict:
+    env = {**os.environ, "MLX_DSPARK_NO_REEXEC": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    for lib in OPENBLAS:
+        if os.path.exists(lib):
+            env["LD_PRELOAD"] = lib
+            break
+    return env
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def render_prompts(model: str, fixture: Path) -> list[str]:
+    """Each request's prompt text, as `serve` renders it (system messages folded where needed)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from agent_bridge.anthropic_api import parse_request
+    from agent_bridge.chat_request import fold_system_messages
+
+    tok = load_tokenizer(Path(model))
+    texts = []
+    for line in fixture.read_text().splitlines():
+        if not line.strip():
+            continue
+        req = parse_request(json.loads(line)["body"], 4096)
+        kwargs = dict(tools=req.tools or None, add_generation_prompt=True, tokenize=False, **req.template_kwargs)
+        try:
+            text = tok.apply_chat_template(req.messages, **kwargs)
+        except Exception:
+            text = tok.apply_chat_template(fold_system_messages(req.messages), **kwargs)
+        texts.append(text + req.assistant_prefix)
+    return texts
+
+
+def float32_copy(model: str, out: Path) -> Path:
+    """The model's weights in float32 for mlx_lm.server (which serves a checkpoint's own dtype)."""
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", model, "--mlx-path", str(out),
+                        "--dtype", "float32"], check=True, env=server_env(), stdout=subprocess.DEVNULL)
+    return out
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path):
+        self.name, self.cmd, self.port, self.log = name, cmd, port, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        t0 = time.perf_counter()
+        f = open(self.log, "a")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=server_env())
+        deadline = time.time() + START_TIMEOUT_S
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited at start; see {self.log}")
+            try:
+                httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return time.perf_counter() - t0
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        self.stop(signal.SIGKILL)
+        raise RuntimeError(f"{self.name} did not start in {START_TIMEOUT_S} s; see {self.log}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> float:
+        t0 = time.perf_counter()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        return time.perf_counter() - t0
+
+    def ttft(self, prompt: str) -> dict:
+        """Seconds from sending the request to its first streamed token."""
+        body = {"model": "default_model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
+        t0 = time.perf_counter()
+        first, stats = None, {}
+        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=7200) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                choice = (data.get("choices") or [{}])[0]
+                if first is None and (choice.get("text") or choice.get("finish_reason")):
+                    first = time.perf_counter() - t0
+                stats = data.get("mlx_dspark") or stats
+        return {"ttft_s": first if first is not None else time.perf_counter() - t0,
+                "cached_tokens": stats.get("cached_tokens"), "prompt_tokens": stats.get("prompt_tokens")}
+
+
+def replay(server: Server, prompts: list[str], label: str) -> list[dict]:
+    rows = []
+    for i, p in enumerate(prompts, 1):
+        row = server.ttft(p)
+        rows.append(row)
+        cached = "" if row["cached_tokens"] is None else f", {row['cached_tokens']} cached"
+        print(f"  {label} turn {i}: {row['ttft_s']:.2f} s{cached}  (load {load_avg()})", flush=True)
+    return rows
+
+
+def run_fixture(name: str, path: Path, args, work: Path) -> dict:
+    prompts = render_prompts(args.model, path)
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(Path(args.model))
+    n_tokens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
+    print(f"\n== {name}: {len(prompts)} turns, {n_tokens[0]}-{n_tokens[-1]} tokens (load {load_avg()})", flush=True)
+    result = {"fixture": name, "tokens": n_tokens, "load_start": load_avg()}
+
+    port = free_port()
+    peer = Server("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", str(args.float32_model),
+                                    "--port", str(port), "--log-level", "WARNING"], port, work / "mlx_lm_server.log")
+    peer.start()
+    try:
+        result["mlx_lm"] = replay(peer, prompts, "mlx_lm.server")
+    finally:
+        peer.stop()
+
+    cache_dir = work / f"prefix-cache-{name}"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "agent_bridge", "serve", "--model", args.model, "--port", str(port),
+           "--prefix-cache-dir", str(cache_dir), "--log-level", "warning", *args.serve_args]
+    if args.context_window:
+        cmd += ["--context-window", str(args.context_window)]
+    ours = Server("mlx-dspark serve", cmd, port, work / "serve.log")
+    ours.start()
+    try:
+        result["serve"] = replay(ours, prompts, "serve")
+        if not args.no_restarts:
+            ours.stop(signal.SIGKILL)  # right after the last turn: its newest segment may be unwritten
+            ours.start()
+            result["after_kill9"] = ours.ttft(prompts[-1])
+            print(f"  serve last turn after kill -9 + restart: {result['after_kill9']['ttft_s']:.2f} s", flush=True)
+            result["sigterm_stop_s"] = ours.stop(signal.SIGTERM)
+            ours.start()
+            result["after_sigterm"] = ours.ttft(prompts[-1])
+            print(f"  serve last turn after SIGTERM + restart: {result['after_sigterm']['ttft_s']:.2f} s", flush=True)
+    finally:
+        ours.stop()
+    result["load_end"] = load_avg()
+    return result
+
+
+def report(r: dict) -> None:
+    peer, ours = r["mlx_lm"], r["serve"]
+    print(f"\n{r['fixture']} (load average {r['load_start']} -> {r['load_end']})")
+    print(f"| turn | tokens | mlx_lm.server | serve | ratio |\n|---|---|---|---|---|")
+    for i, (a, b) in enumerate(zip(peer, ours), 1):
+        print(f"| {i}{', cold' if i == 1 else ''} | {r['tokens'][i - 1]} | {a['ttft_s']:.2f} s | {b['ttft_s']:.2f} s "
+              f"| {b['ttft_s'] / a['ttft_s']:.2f}x |")
+    tp, to = sum(x["ttft_s"] for x in peer), sum(x["ttft_s"] for x in ours)
+    print(f"| total waiting | | {tp:.1f} s | {to:.1f} s | {to / tp:.2f}x |")
+    if len(peer) > 1:
+        wp, wo = max(x["ttft_s"] for x in peer[1:]), max(x["ttft_s"] for x in ours[1:])
+        print(f"| warm turns, worst | | {wp:.2f} s | {wo:.2f} s | {wo / wp:.2f}x |")
+    cold = ours[0]["ttft_s"]
+    for key, label in (("after_kill9", "kill -9"), ("after_sigterm", "SIGTERM")):
+        if key in r:
+            t = r[key]["ttft_s"]
+            print(f"| last turn after {label} + restart | | - | {t:.2f} s ({100 * t / cold:.1f}% of cold) | |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fixtures", default="rename-session,long-session",
+                    help="comma-separated names under ../shared/fixtures/claude-code, or .jsonl paths")
+    ap.add_argument("--model", default=None, help="model directory (default: the bundled reference model)")
+    ap.add_argument("--context-window", type=int, default=None, help="passed to serve (long-session needs 65536)")
+    ap.add_argument("--no-restarts", action="store_true", help="skip the kill -9 and SIGTERM restarts")
+    ap.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
+                    help="an extra argument for serve (repeat)")
+    ap.add_argument("--work-dir", default=None, help="logs, the float32 copy and the cache folder (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write the results here as JSON")
+    args = ap.parse_args()
+
+    if args.model is None:
+        from engine.models import default_model_path
+
+        args.model = str(default_model_path())
+    found = []
+    for name in args.fixtures.split(","):
+        name = name.strip()
+        path = Path(name) if name.endswith(".jsonl") else fixtures_root() / "claude-code" / f"{name}.jsonl"
+        if path.exists():
+            found.append((path.stem, path))
+        else:
+            print(f"skipped {name}: {path} not found", flush=True)
+    if not found:
+        return 0
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="replay-agent-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"work dir {work}; model {args.model}; load average {load_avg()}", flush=True)
+    args.float32_model = float32_copy(args.model, work / "model-float32")
+    results = [run_fixture(name, path, args, work) for name, path in found]
+    for r in results:
+        report(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
