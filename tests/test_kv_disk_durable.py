@@ -237,7 +237,10 @@ def test_checkpoint_models_get_a_disk_tier(tmp_path_factory, tmp_path):
                 got, cached = out(restarted, turn2)
                 assert got == out(ref, turn2)[0]
                 assert cached >= len(prompt)
-                assert restarted.cache_stats()["disk_loads"] == 1
+                # the checkpoint of the sliding layer's state, and the full-attention layer's
+                # per-token segments it rests on (one file per turn's segment)
+                stats = restarted.cache_stats()
+                assert stats["disk_loads"] >= 2 and stats["disk_skipped"] == 0
                 # a torn checkpoint is skipped, never used
                 for f in files(tmp_path):
                     f.write_bytes(f.read_bytes()[:-50])
