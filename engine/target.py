@@ -178,6 +178,12 @@ def _gemma3_masks(inner, h, cache):
     return [full if i % pattern == pattern - 1 else local for i in range(len(inner.layers))]
 
 
+def _gpt_oss_masks(inner, h, cache):
+    full = create_attention_mask(h, cache[inner.ga_idx])
+    swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
+    return [full if kind == "full_attention" else swa for kind in inner.layer_types]
+
+
 def _hybrid_masks(inner, h, cache):
     """Gated DeltaNet hybrids: one mask for the attention layers, one for the linear ones."""
     fa = create_attention_mask(h, cache[inner.fa_idx])
@@ -193,6 +199,7 @@ _LAYER_MASKS = {
     "gemma": _same_mask(),
     "gemma2": _same_mask(return_array=True),
     "gemma3_text": _gemma3_masks,
+    "gpt_oss": _gpt_oss_masks,
     "qwen3_next": _hybrid_masks,
     "qwen3_5": _hybrid_masks,
     "qwen3_5_moe": _hybrid_masks,
@@ -204,6 +211,7 @@ _EMBED_SCALE = {
     "gemma": lambda d: d**0.5,
     "gemma2": lambda d: d**0.5,
     "gemma3_text": lambda d: mx.array(d**0.5, mx.bfloat16),
+    "gpt_oss": lambda d: None,
     "qwen3_next": lambda d: None,
     "qwen3_5": lambda d: None,
     "qwen3_5_moe": lambda d: None,

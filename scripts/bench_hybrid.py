@@ -42,9 +42,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="best of N for each timing")
     ap.add_argument("--curve", action="store_true",
                     help="instead: the verify cost curve per family (width 4 and 16 against 1, rollback and replay included)")
+    ap.add_argument("--qmm", action="store_true",
+                    help="instead: MLX's quantized matmul (4/8-bit, mxfp4) against float32, width 1 to 64")
     args = ap.parse_args()
     if args.curve:
         return curves(args)
+    if args.qmm:
+        return quantized_matmul_widths()
 
     print(f"{'family':<18}{'case':<11}{'tokens':>7}{'tok/round':>10}{'mlx-lm s':>10}{'lookup s':>10}"
           f"{'vs mlx-lm':>10}{'vs no drafts':>13}  identical")
@@ -56,6 +60,40 @@ def main() -> None:
                 print(f"{family:<18}{row['case']:<11}{row['tokens']:>7}{row['tok_per_round']:>10.2f}{row['mlx_lm_s']:>10.3f}"
                       f"{row['lookup_s']:>10.3f}{row['speedup']:>9.2f}x{plain_loop / row['lookup_s']:>12.2f}x  "
                       f"{row['identical']}", flush=True)
+
+
+def quantized_matmul_widths(n: int = 4096, repeats: int = 7) -> None:
+    """Why a quantised target on CPU rarely pays to draft: quantized_matmul's cost grows with the
+    number of rows (tokens) about linearly, float32 BLAS barely (median ms of `repeats`)."""
+    import statistics
+
+    import mlx.core as mx
+
+    def ms(fn, x):
+        mx.eval(x)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mx.eval(fn(x))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    w = mx.random.normal((n, n))
+    mx.eval(w)
+    widths = (1, 4, 16, 64)
+    print(f"{n}x{n} weight, ms at widths {widths}")
+    print(f"{'float32':<10}" + "".join(f"{ms(lambda x: x @ w.T, mx.random.normal((k, n))):>10.1f}" for k in widths))
+    for mode, bits, group in (("affine", 4, 64), ("affine", 8, 64), ("mxfp4", 4, 32)):
+        q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+        mx.eval(q)
+        scales_biases = q[1:] if mode == "affine" else (q[1], None)
+
+        def qmm(x, q=q, sb=scales_biases, bits=bits, group=group, mode=mode):
+            return mx.quantized_matmul(x, q[0], *sb, transpose=True, group_size=group, bits=bits, mode=mode)
+
+        row = [ms(qmm, mx.random.normal((k, n))) for k in widths]
+        label = "mxfp4" if mode == "mxfp4" else f"{bits}-bit"
+        print(f"{label:<10}" + "".join(f"{t:>10.1f}" for t in row) + f"   width 16 / 1: {row[2] / row[0]:.1f}x")
 
 
 def curves(args) -> None:

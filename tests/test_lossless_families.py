@@ -126,10 +126,10 @@ def test_prefix_cache_on_off_diverged(family_engine):
         assert cached == len(turn2) - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
-def test_heads_tap_gated_deltanet_hybrids(family, tmp_path):
-    """Drafter heads read these hybrids' residual stream from the verify forward itself,
-    and decode losslessly with rejected head drafts taken back (replay included)."""
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gpt_oss"])
+def test_heads_tap_hybrid_and_sliding_targets(family, tmp_path):
+    """Drafter heads read these models' residual stream from the verify forward itself,
+    and decode losslessly with rejected head drafts taken back (replay, window trims)."""
     if not _installed(family):
         pytest.skip(f"mlx-lm has no {family}")
     import json

@@ -47,6 +47,8 @@ PUBLISHED: dict[str, Entry] = {
     # The pairing is published (z-lab's DFlash collection, vLLM/SGLang recipes); its config values
     # were not found in a citable source here, so nothing is checked beyond the load-time pairing.
     "qwen3.6-27b": Entry({"dflash": "z-lab/Qwen3.6-27B-DFlash"}),
+    # gpt-oss (MoE, sliding-window attention with sinks): listed as supported in z-lab/dflash's README.
+    "gpt-oss-20b": Entry({"dflash": "z-lab/gpt-oss-20b-DFlash"}),
     # Gemma 4 MoE (sliding-window attention): huggingface.co/makora-ai/gemma4-26b-a4b-dspark's card
     # (speculators format, 5 layers, Markov rank 256, draft vocabulary 32,000 mapped to 262,144).
     # Gemma 4 is not tappable here yet (engine/target.py), so `auto` skips it.
