@@ -16,11 +16,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import Done, PrefillProgress, Tokens
+from engine import Done
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, anthropic_body, bad_request
-from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
+from .job_stream import Bridge, EventStream, Generation, read_json, sse
+from .stream_driver import Wire, collect_text, drive
 from .tool_calls import OutputParser, Segment, parse_text
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -217,11 +218,8 @@ async def messages(request: Request):
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
     if req.stream:
-        return EventStream(stream(gen, req, ids, model, _parser(bridge, req, ids)), gen)
-    text = ""
-    async for event in gen.events():
-        if isinstance(event, Tokens):
-            text += event.text
+        return EventStream(drive(gen, _parser(bridge, req, ids), AnthropicWire(gen, len(ids), model)), gen)
+    text = await collect_text(gen)
     done = gen.done
     p = _parser(bridge, req, ids)
     segs = parse_text(text, p.s, req.tools, parse_tools=req.parse_tools, thinking=p.state == "thinking",
@@ -235,75 +233,70 @@ async def messages(request: Request):
     })
 
 
-async def stream(gen: Generation, req: ChatRequest, ids: list[int], model: str, parser: OutputParser):
-    index = -1
-    open_kind: str | None = None
+class AnthropicWire(Wire):
+    """Messages API events: message_start, content blocks (text, thinking, tool_use), message_delta/stop."""
 
-    def close() -> list[str]:
-        nonlocal open_kind
-        if open_kind is None:
+    def __init__(self, gen: Generation, n_prompt: int, model: str):
+        self.gen, self.n_prompt, self.model = gen, n_prompt, model
+        self.index = -1
+        self.open_kind: str | None = None
+
+    def opening(self) -> list[str]:
+        message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": _usage(self.n_prompt, self.gen.cached_tokens, 0)}
+        return [sse("message_start", {"type": "message_start", "message": message})]
+
+    def ping(self, info: dict | None) -> list[str]:
+        # keeps the client patient while queued, prefilling or writing a tool call
+        return [sse("ping", {"type": "ping", "mlx_dspark": info} if info else {"type": "ping"})]
+
+    def _close(self) -> list[str]:
+        if self.open_kind is None:
             return []
-        open_kind = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+        self.open_kind = None
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
-    def emit(seg: Segment) -> list[str]:
-        nonlocal index, open_kind
-        out: list[str] = []
+    def _start(self, block: dict) -> str:
+        self.index += 1
+        return sse("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+
+    def _delta(self, delta: dict) -> str:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def segment(self, seg: Segment) -> list[str]:
+        out = []
         if seg.kind == "tool_call":
-            out += close()
-            index += 1
-            start = {"type": "tool_use", "id": seg.call.id, "name": seg.call.name, "input": {}}
-            out.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
-            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "input_json_delta", "partial_json": seg.call.arguments_json}}))
-            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+            out += self._close()
+            c = seg.call
+            out.append(self._start({"type": "tool_use", "id": c.id, "name": c.name, "input": {}}))
+            out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments_json}))
+            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
             return out
-        if open_kind != seg.kind:
-            out += close()
-            index += 1
-            open_kind = seg.kind
-            start = {"type": "text", "text": ""} if seg.kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
-            out.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
-        delta = ({"type": "text_delta", "text": seg.text} if seg.kind == "text"
-                 else {"type": "thinking_delta", "thinking": seg.text})
-        out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+        if self.open_kind != seg.kind:
+            out += self._close()
+            self.open_kind = seg.kind
+            out.append(self._start({"type": "text", "text": ""} if seg.kind == "text"
+                                   else {"type": "thinking", "thinking": "", "signature": ""}))
+        out.append(self._delta({"type": "text_delta", "text": seg.text} if seg.kind == "text"
+                               else {"type": "thinking_delta", "thinking": seg.text}))
         return out
 
-    message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": model, "content": [],
-               "stop_reason": None, "stop_sequence": None, "usage": _usage(len(ids), gen.cached_tokens, 0)}
-    yield sse("message_start", {"type": "message_start", "message": message})
-    beat = Heartbeat()
-    try:
-        async for event in gen.events():
-            if isinstance(event, PrefillProgress):
-                yield sse("ping", {"type": "ping"})  # keeps the client patient during a long prefill
-            elif isinstance(event, Tokens):
-                segs = parser.feed(event.text)
-                for seg in segs:
-                    for line in emit(seg):
-                        yield line
-                if beat.due(bool(segs)):
-                    yield sse("ping", {"type": "ping"})
-    except ApiError as e:
-        yield sse("error", anthropic_body(e))
-        return
-    except ClientGone:
-        return
-    for seg in parser.finish():
-        for line in emit(seg):
-            yield line
-    for line in close():
-        yield line
-    done = gen.done
-    reason, seq = _stop(done, bool(parser.calls))
-    if index < 0:  # an empty answer still has one (empty) text block, as the API does
-        yield sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-        yield sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-    yield sse("message_delta", {
-        "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-        "usage": _usage(len(ids), done.stats.cached_tokens, done.stats.generated_tokens),
-        "mlx_dspark": done.stats.to_dict()})
-    yield sse("message_stop", {"type": "message_stop"})
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        out = self._close()
+        if self.index < 0:  # an empty answer still has one (empty) text block, as the API does
+            out.append(self._start({"type": "text", "text": ""}))
+            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        reason, seq = _stop(done, has_calls)
+        out.append(sse("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+            "usage": _usage(self.n_prompt, done.stats.cached_tokens, done.stats.generated_tokens),
+            "mlx_dspark": done.stats.to_dict()}))
+        out.append(sse("message_stop", {"type": "message_stop"}))
+        return out
+
+    def error(self, e: ApiError) -> list[str]:
+        return [sse("error", anthropic_body(e))]
 
 
 async def count_tokens(request: Request):

@@ -35,6 +35,13 @@ class ClientGone(Exception):
 
 
 @dataclass
+class Waiting:
+    """A request still queued behind others (position 1 is next)."""
+
+    position: int
+
+
+@dataclass
 class Bridge:
     """What every route shares: the engine, limits, metrics."""
 
@@ -212,6 +219,13 @@ def sse(event: str | None, data: Any) -> str:
 
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+def sse_comment(info: dict | None) -> str:
+    """A keep-alive the SDKs skip; `info` (queue position, prefill progress) for whoever reads raw SSE."""
+    import json
+
+    return f": mlx_dspark {json.dumps(info, separators=(',', ':'))}\n\n" if info else ": ping\n\n"
 
 
 class Heartbeat:

@@ -10,11 +10,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import Done, EngineError, PrefillProgress, Tokens
+from engine import Done, EngineError
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
-from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
+from .job_stream import Bridge, EventStream, read_json, sse, sse_comment
+from .stream_driver import PlainText, Wire, collect_text, drive
 from .tool_calls import OutputParser, Segment, parse_text
 
 FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled": "stop"}
@@ -133,8 +134,8 @@ async def chat_completions(request: Request):
     thinking = bridge.starts_thinking(ids)
     if req.stream:
         parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
-        return EventStream(stream_chat(gen, ids, model, parser, include_usage), gen)
-    text = await collect(gen)
+        return EventStream(drive(gen, parser, ChatWire(len(ids), model, include_usage)), gen)
+    text = await collect_text(gen)
     segs = parse_text(text, bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
     message: dict = {"role": "assistant", "content": "".join(s.text for s in segs if s.kind == "text") or None}
     reasoning = "".join(s.text for s in segs if s.kind == "thinking")
@@ -155,58 +156,67 @@ async def chat_completions(request: Request):
     })
 
 
-async def collect(gen: Generation) -> str:
-    text = ""
-    async for event in gen.events():
-        if isinstance(event, Tokens):
-            text += event.text
-    return text
+class ChatWire(Wire):
+    """Chat completion chunks; keep-alives are SSE comments (the SDKs skip them)."""
 
+    def __init__(self, n_prompt: int, model: str, include_usage: bool):
+        self.n_prompt, self.include_usage = n_prompt, include_usage
+        self.base = {"id": _id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": model}
+        self.n_calls = 0
 
-async def stream_chat(gen: Generation, ids: list[int], model: str, parser: OutputParser, include_usage: bool):
-    base = {"id": _id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-    n_calls = 0
+    def _chunk(self, delta: dict, finish: str | None = None, **extra: Any) -> str:
+        return sse(None, {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                    "finish_reason": finish}], **extra})
 
-    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
-        return sse(None, {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                               "finish_reason": finish}], **extra})
+    def opening(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
 
-    def emit(seg: Segment) -> str:
-        nonlocal n_calls
+    def ping(self, info: dict | None) -> list[str]:
+        return [sse_comment(info)]
+
+    def segment(self, seg: Segment) -> list[str]:
         if seg.kind == "text":
-            return chunk({"content": seg.text})
+            return [self._chunk({"content": seg.text})]
         if seg.kind == "thinking":
-            return chunk({"reasoning_content": seg.text})
-        n_calls += 1
+            return [self._chunk({"reasoning_content": seg.text})]
+        self.n_calls += 1
         c = seg.call
-        return chunk({"tool_calls": [{"index": n_calls - 1, "id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments_json}}]})
+        return [self._chunk({"tool_calls": [{"index": self.n_calls - 1, "id": c.id, "type": "function",
+                                             "function": {"name": c.name, "arguments": c.arguments_json}}]})]
 
-    yield chunk({"role": "assistant", "content": ""})
-    beat = Heartbeat()
-    try:
-        async for event in gen.events():
-            if isinstance(event, PrefillProgress):
-                yield ": prefill\n\n"  # an SSE comment: keeps proxies and clients from timing out
-            elif isinstance(event, Tokens):
-                segs = parser.feed(event.text)
-                for seg in segs:
-                    yield emit(seg)
-                if beat.due(bool(segs)):
-                    yield ": generating\n\n"
-    except ApiError as e:
-        yield sse(None, openai_body(e))
-        return
-    except ClientGone:
-        return
-    for seg in parser.finish():
-        yield emit(seg)
-    done = gen.done
-    finish = "tool_calls" if n_calls else FINISH.get(done.finish_reason, "stop")
-    yield chunk({}, finish, mlx_dspark=done.stats.to_dict())
-    if include_usage:
-        yield sse(None, {**base, "choices": [], "usage": usage(len(ids), done)})
-    yield "data: [DONE]\n\n"
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        finish = "tool_calls" if has_calls else FINISH.get(done.finish_reason, "stop")
+        out = [self._chunk({}, finish, mlx_dspark=done.stats.to_dict())]
+        if self.include_usage:
+            out.append(sse(None, {**self.base, "choices": [], "usage": usage(self.n_prompt, done)}))
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, e: ApiError) -> list[str]:
+        return [sse(None, openai_body(e))]
+
+
+class CompletionWire(ChatWire):
+    """Legacy completion chunks: the same stream with `text` instead of a delta."""
+
+    def __init__(self, n_prompt: int, base: dict, include_usage: bool):
+        self.n_prompt, self.include_usage, self.base = n_prompt, include_usage, base
+
+    def _chunk(self, text: str, finish: str | None = None, **extra: Any) -> str:
+        return sse(None, {**self.base, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                    "finish_reason": finish}], **extra})
+
+    def opening(self) -> list[str]:
+        return []
+
+    def segment(self, seg: Segment) -> list[str]:
+        return [self._chunk(seg.text)]
+
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        out = [self._chunk("", FINISH.get(done.finish_reason, "stop"), mlx_dspark=done.stats.to_dict())]
+        if self.include_usage:
+            out.append(sse(None, {**self.base, "choices": [], "usage": usage(self.n_prompt, done)}))
+        return out + ["data: [DONE]\n\n"]
 
 
 def parse_completion(body: dict, default_max_tokens: int) -> tuple[ChatRequest, Any]:
@@ -236,34 +246,12 @@ async def completions(request: Request):
     model = req.model or bridge.model_name
     base = {"id": _id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model}
     if not req.stream:
-        text = await collect(gen)
+        text = await collect_text(gen)
         done = gen.done
         return JSONResponse({**base, "choices": [{"index": 0, "text": text, "logprobs": None,
                                                   "finish_reason": FINISH.get(done.finish_reason, "stop")}],
                              "usage": usage(len(ids), done), "mlx_dspark": done.stats.to_dict()})
-
-    async def events():
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
-            return sse(None, {**base, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                   "finish_reason": finish}], **extra})
-        try:
-            async for event in gen.events():
-                if isinstance(event, PrefillProgress):
-                    yield ": prefill\n\n"
-                elif isinstance(event, Tokens) and event.text:
-                    yield chunk(event.text)
-        except ApiError as e:
-            yield sse(None, openai_body(e))
-            return
-        except ClientGone:
-            return
-        done = gen.done
-        yield chunk("", FINISH.get(done.finish_reason, "stop"), mlx_dspark=done.stats.to_dict())
-        if include_usage:
-            yield sse(None, {**base, "choices": [], "usage": usage(len(ids), done)})
-        yield "data: [DONE]\n\n"
-
-    return EventStream(events(), gen)
+    return EventStream(drive(gen, PlainText(), CompletionWire(len(ids), base, include_usage)), gen)
 
 
 def _model_card(bridge: Bridge) -> dict:

@@ -14,11 +14,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import PrefillProgress, Tokens
+from engine import Done
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, text_of, tool_call
 from .http_errors import ApiError, bad_request, openai_body
-from .job_stream import Bridge, ClientGone, EventStream, Heartbeat, read_json, sse
+from .job_stream import Bridge, EventStream, read_json, sse, sse_comment
+from .stream_driver import Wire, collect_text, drive
 from .tool_calls import OutputParser, Segment
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -120,6 +121,18 @@ def _item(seg: Segment) -> dict:
             "content": [{"type": "output_text", "text": seg.text, "annotations": []}]}
 
 
+def finish_response(response: dict, done: Done, n_prompt: int) -> dict:
+    s = done.stats
+    response["status"] = "incomplete" if done.finish_reason == "length" else "completed"
+    if done.finish_reason == "length":
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    response["usage"] = {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": s.cached_tokens},
+                         "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                         "total_tokens": n_prompt + s.generated_tokens}
+    response["mlx_dspark"] = s.to_dict()
+    return response
+
+
 async def responses(request: Request):
     bridge: Bridge = request.app.state.bridge
     body = await read_json(request)
@@ -136,129 +149,99 @@ async def responses(request: Request):
         "tools": body.get("tools") or [], "temperature": req.temperature, "top_p": req.top_p,
         "store": False, "text": {"format": {"type": "text"}}, "usage": None, "metadata": {},
     }
-
-    def finish() -> None:
-        done = gen.done
-        s = done.stats
-        response["status"] = "incomplete" if done.finish_reason == "length" else "completed"
-        if done.finish_reason == "length":
-            response["incomplete_details"] = {"reason": "max_output_tokens"}
-        response["usage"] = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": s.cached_tokens},
-                             "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                             "total_tokens": len(ids) + s.generated_tokens}
-        response["mlx_dspark"] = s.to_dict()
-
-    if not req.stream:
-        text = ""
-        async for event in gen.events():
-            if isinstance(event, Tokens):
-                text += event.text
-        segs = parser.feed(text) + parser.finish()
-        merged: list[Segment] = []
-        for seg in segs:
-            if merged and seg.kind != "tool_call" and merged[-1].kind == seg.kind:
-                merged[-1].text += seg.text
-            else:
-                merged.append(seg)
-        response["output"] = [_item(s) for s in merged]
-        finish()
-        return JSONResponse(response)
-    return EventStream(stream(gen, parser, response, finish), gen)
+    if req.stream:
+        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids))), gen)
+    text = await collect_text(gen)
+    merged: list[Segment] = []
+    for seg in parser.feed(text) + parser.finish():
+        if merged and seg.kind != "tool_call" and merged[-1].kind == seg.kind:
+            merged[-1].text += seg.text
+        else:
+            merged.append(seg)
+    response["output"] = [_item(s) for s in merged]
+    return JSONResponse(finish_response(response, gen.done, len(ids)))
 
 
-async def stream(gen, parser: OutputParser, response: dict, finish):
-    seq = 0
-    current: dict | None = None  # the open message or reasoning item
+class ResponsesWire(Wire):
+    """Responses API events. Output items are built whole when they close: the open message or
+    reasoning item is only its id, kind and text so far (nothing sent is changed afterwards)."""
 
-    def ev(kind: str, **data: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
+    def __init__(self, response: dict, n_prompt: int):
+        self.response, self.n_prompt = response, n_prompt
+        self.seq = 0
+        self.open: dict | None = None  # {"kind": "message"|"reasoning", "id", "index", "text"}
 
-    def close() -> list[str]:
-        nonlocal current
-        if current is None:
+    def _ev(self, kind: str, **data: Any) -> str:
+        self.seq += 1
+        return sse(kind, {"type": kind, "sequence_number": self.seq - 1, **data})
+
+    def opening(self) -> list[str]:
+        return [self._ev("response.created", response=self.response),
+                self._ev("response.in_progress", response=self.response)]
+
+    def ping(self, info: dict | None) -> list[str]:
+        return [sse_comment(info)]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
             return []
-        item, current = current, None
-        idx = item.pop("_index")
-        item["status"] = "completed"
-        response["output"].append(item)
-        if item["type"] == "reasoning":
-            return [ev("response.output_item.done", output_index=idx, item=item)]
+        o, self.open = self.open, None
+        item = _item(Segment("text" if o["kind"] == "message" else "thinking", o["text"]))
+        item["id"], item["status"] = o["id"], "completed"
+        self.response["output"].append(item)
+        idx = o["index"]
+        if o["kind"] == "reasoning":
+            return [self._ev("response.output_item.done", output_index=idx, item=item)]
         part = item["content"][0]
-        return [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                   text=part["text"]),
-                ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
-                ev("response.output_item.done", output_index=idx, item=item)]
+        return [self._ev("response.output_text.done", item_id=o["id"], output_index=idx, content_index=0,
+                         text=o["text"]),
+                self._ev("response.content_part.done", item_id=o["id"], output_index=idx, content_index=0, part=part),
+                self._ev("response.output_item.done", output_index=idx, item=item)]
 
-    def emit(seg: Segment) -> list[str]:
-        nonlocal current
+    def segment(self, seg: Segment) -> list[str]:
         out: list[str] = []
-        idx = len(response["output"])
         if seg.kind == "tool_call":
-            out += close()
-            idx = len(response["output"])
+            out += self._close()
+            idx = len(self.response["output"])
             item = _item(seg)
             args = item["arguments"]
-            out.append(ev("response.output_item.added", output_index=idx,
-                          item={**item, "status": "in_progress", "arguments": ""}))
-            out.append(ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args))
-            out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, arguments=args))
-            out.append(ev("response.output_item.done", output_index=idx, item=item))
-            response["output"].append(item)
+            out.append(self._ev("response.output_item.added", output_index=idx,
+                                item={**item, "status": "in_progress", "arguments": ""}))
+            out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                                delta=args))
+            out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                arguments=args))
+            out.append(self._ev("response.output_item.done", output_index=idx, item=item))
+            self.response["output"].append(item)
             return out
         kind = "message" if seg.kind == "text" else "reasoning"
-        if current is None or current["type"] != kind:
-            out += close()
-            idx = len(response["output"])
-            current = _item(Segment(seg.kind, ""))
-            current["status"] = "in_progress"
-            shown = {k: v for k, v in current.items()}
+        if self.open is None or self.open["kind"] != kind:
+            out += self._close()
+            idx = len(self.response["output"])
+            shown = {**_item(Segment(seg.kind, "")), "status": "in_progress"}
             if kind == "message":
                 shown["content"] = []
-            out.append(ev("response.output_item.added", output_index=idx, item=shown))
+            self.open = {"kind": kind, "id": shown["id"], "index": idx, "text": ""}
+            out.append(self._ev("response.output_item.added", output_index=idx, item=shown))
             if kind == "message":
-                out.append(ev("response.content_part.added", item_id=current["id"], output_index=idx, content_index=0,
-                              part={"type": "output_text", "text": "", "annotations": []}))
-            current["_index"] = idx
-        idx = current["_index"]
-        current["content"][0]["text"] += seg.text
-        if kind == "message":
-            out.append(ev("response.output_text.delta", item_id=current["id"], output_index=idx, content_index=0,
-                          delta=seg.text))
-        else:
-            out.append(ev("response.reasoning_text.delta", item_id=current["id"], output_index=idx, content_index=0,
-                          delta=seg.text))
+                out.append(self._ev("response.content_part.added", item_id=shown["id"], output_index=idx,
+                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        o = self.open
+        o["text"] += seg.text
+        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        out.append(self._ev(delta, item_id=o["id"], output_index=o["index"], content_index=0, delta=seg.text))
         return out
 
-    yield ev("response.created", response=response)
-    yield ev("response.in_progress", response=response)
-    beat = Heartbeat()
-    try:
-        async for event in gen.events():
-            if isinstance(event, PrefillProgress):
-                yield ": prefill\n\n"
-            elif isinstance(event, Tokens):
-                segs = parser.feed(event.text)
-                for seg in segs:
-                    for line in emit(seg):
-                        yield line
-                if beat.due(bool(segs)):
-                    yield ": generating\n\n"
-    except ApiError as e:
-        response["status"] = "failed"
-        response["error"] = {"code": openai_body(e)["error"]["code"] or "server_error", "message": e.message}
-        yield ev("response.failed", response=response)
-        return
-    except ClientGone:
-        return
-    for seg in parser.finish():
-        for line in emit(seg):
-            yield line
-    for line in close():
-        yield line
-    finish()
-    yield ev("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        out = self._close()
+        finish_response(self.response, done, self.n_prompt)
+        kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
+        return out + [self._ev(kind, response=self.response)]
+
+    def error(self, e: ApiError) -> list[str]:
+        self.response["status"] = "failed"
+        self.response["error"] = {"code": openai_body(e)["error"]["code"] or "server_error", "message": e.message}
+        return [self._ev("response.failed", response=self.response)]
 
 
 routes = [Route("/v1/responses", responses, methods=["POST"])]
