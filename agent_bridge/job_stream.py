@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -21,10 +21,11 @@ from starlette.responses import StreamingResponse
 
 from engine import Done, EngineError, PrefillProgress
 
-from .chat_request import ChatRequest, check_context, render
+from .chat_request import ChatRequest, check_context, force_call, render
 from .http_errors import ApiError, from_engine_error
 from .metrics import Metrics
-from .tool_calls import Syntax, syntax_for
+from .thinking_signature import ThinkingSigner
+from .tool_stream import ReplyParser, Syntax, syntax_for
 
 DISCONNECT_POLL_S = 0.5
 _TOKENIZER_LOCK = threading.Lock()
@@ -51,6 +52,7 @@ class Bridge:
     metrics: Metrics
     model_name: str
     syntax: Syntax
+    signer: ThinkingSigner = field(default_factory=ThinkingSigner)
 
     @classmethod
     def for_engine(cls, engine: Any, context_window: int | None, default_max_tokens: int,
@@ -68,11 +70,18 @@ class Bridge:
     async def prompt_ids(self, req: ChatRequest, check: bool = True) -> list[int]:
         """Render the chat (tokenizing a 15k-token prompt takes a while: off the loop)."""
         try:
-            ids = await anyio.to_thread.run_sync(self._locked, render, self.engine, req)
+            ids = await anyio.to_thread.run_sync(self._locked, self._render, req)
             if check:
                 check_context(ids, self.context_window)
         except EngineError as e:
             raise from_engine_error(e) from None
+        return ids
+
+    def _render(self, req: ChatRequest) -> list[int]:
+        ids = render(self.engine, req)
+        req.starts_thinking = self.starts_thinking(ids) and not req.assistant_prefix
+        if req.forced_tool is not None and req.parse_tools:
+            ids = force_call(self.engine, self.syntax, req, ids)
         return ids
 
     async def encode(self, text: str) -> list[int]:
@@ -87,6 +96,14 @@ class Bridge:
             return False
         tail = self.engine.decode(prompt_ids[-8:]).rstrip()
         return tail.endswith(self.syntax.think_start)
+
+    def parser(self, req: ChatRequest, prompt_ids: list[int], id_prefix: str = "call_") -> ReplyParser:
+        """The reply parser for this request: the model's syntax, the offered tools."""
+        p = self.syntax.parser(req.tools, parse_tools=req.parse_tools, thinking=req.starts_thinking,
+                               id_prefix=id_prefix)
+        if req.forced_prefix:
+            p.prime(req.forced_prefix)
+        return p
 
     async def generate(self, req: ChatRequest, prompt_ids: list[int], request: Request | None) -> "Generation":
         """Submit and wait for the engine to start on it, so an early error is still an HTTP error."""

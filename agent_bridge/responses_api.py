@@ -19,8 +19,9 @@ from engine import Done
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, text_of, tool_call
 from .http_errors import ApiError, bad_request, openai_body
 from .job_stream import Bridge, EventStream, read_json, sse, sse_comment
-from .stream_driver import Wire, collect_text, drive
-from .tool_calls import OutputParser, Segment
+from .openai_api import _extras, tool_choice
+from .stream_driver import Wire, collect_text, drive, whole_reply
+from .tool_stream import CallArgs, CallEnd, CallStart, Text, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -92,12 +93,11 @@ def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
     messages = convert_input(get(body, "input", (str, list)), instructions)
     if not any(m["role"] != "system" for m in messages):
         raise bad_request("input: at least one item is required", param="input")
-    choice = get(body, "tool_choice", (str, dict), None)
-    parse_tools = choice != "none"
+    parse_tools, forced = tool_choice(body)
     tools = convert_tools(body.get("tools"))
     return ChatRequest(
         messages=messages, model=get(body, "model", (str,), "") or "",
-        tools=tools if parse_tools else None, parse_tools=parse_tools,
+        tools=tools if parse_tools else None, parse_tools=parse_tools, forced_tool=forced,
         max_tokens=get_int(body, "max_output_tokens", None, minimum=1, maximum=MAX_TOKENS_LIMIT) or default_max_tokens,
         temperature=get_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=get_number(body, "top_p", 1.0, 1e-9, 1.0),
@@ -109,19 +109,19 @@ def _id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def _item(seg: Segment) -> dict:
-    if seg.kind == "tool_call":
-        c = seg.call
-        return {"id": _id("fc_"), "type": "function_call", "status": "completed", "call_id": c.id,
-                "name": c.name, "arguments": c.arguments_json}
-    if seg.kind == "thinking":
+def _item(kind: str, text: str = "", call: ToolCall | None = None) -> dict:
+    """An output item: kind "call", "reasoning" or "text"."""
+    if kind == "call":
+        return {"id": _id("fc_"), "type": "function_call", "status": "completed", "call_id": call.id,
+                "name": call.name, "arguments": call.arguments_json}
+    if kind == "reasoning":
         return {"id": _id("rs_"), "type": "reasoning", "summary": [],
-                "content": [{"type": "reasoning_text", "text": seg.text}]}
+                "content": [{"type": "reasoning_text", "text": text}]}
     return {"id": _id("msg_"), "type": "message", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": seg.text, "annotations": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def finish_response(response: dict, done: Done, n_prompt: int) -> dict:
+def finish_response(response: dict, done: Done, n_prompt: int, notes: list[str] | None = None) -> dict:
     s = done.stats
     response["status"] = "incomplete" if done.finish_reason == "length" else "completed"
     if done.finish_reason == "length":
@@ -129,7 +129,7 @@ def finish_response(response: dict, done: Done, n_prompt: int) -> dict:
     response["usage"] = {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": s.cached_tokens},
                          "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                          "total_tokens": n_prompt + s.generated_tokens}
-    response["mlx_dspark"] = s.to_dict()
+    response["mlx_dspark"] = _extras(done, notes or [])
     return response
 
 
@@ -139,8 +139,7 @@ async def responses(request: Request):
     req = parse_request(body, bridge.default_max_tokens)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
-    parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools,
-                          thinking=bridge.starts_thinking(ids), id_prefix="call_")
+    parser = bridge.parser(req, ids)
     response = {
         "id": _id("resp_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "model": req.model or bridge.model_name, "output": [], "error": None, "incomplete_details": None,
@@ -150,26 +149,22 @@ async def responses(request: Request):
         "store": False, "text": {"format": {"type": "text"}}, "usage": None, "metadata": {},
     }
     if req.stream:
-        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids))), gen)
+        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids), parser, req.notes)), gen)
     text = await collect_text(gen)
-    merged: list[Segment] = []
-    for seg in parser.feed(text) + parser.finish():
-        if merged and seg.kind != "tool_call" and merged[-1].kind == seg.kind:
-            merged[-1].text += seg.text
-        else:
-            merged.append(seg)
-    response["output"] = [_item(s) for s in merged]
-    return JSONResponse(finish_response(response, gen.done, len(ids)))
+    reply = whole_reply(parser, text, gen.done)
+    response["output"] = [_item(b.kind, b.text, b.call) for b in reply.blocks]
+    return JSONResponse(finish_response(response, gen.done, len(ids), req.notes + parser.notes))
 
 
 class ResponsesWire(Wire):
-    """Responses API events. Output items are built whole when they close: the open message or
-    reasoning item is only its id, kind and text so far (nothing sent is changed afterwards)."""
+    """Responses API events. Output items are built whole when they close: the open item is only
+    its kind, id, index and text so far (nothing sent is changed afterwards)."""
 
-    def __init__(self, response: dict, n_prompt: int):
+    def __init__(self, response: dict, n_prompt: int, parser: Any = None, notes: list[str] | None = None):
         self.response, self.n_prompt = response, n_prompt
+        self.parser, self.notes = parser, notes or []
         self.seq = 0
-        self.open: dict | None = None  # {"kind": "message"|"reasoning", "id", "index", "text"}
+        self.open: dict | None = None  # {"kind": "text"|"reasoning"|"call", "id", "index", "text", "call"}
 
     def _ev(self, kind: str, **data: Any) -> str:
         self.seq += 1
@@ -186,55 +181,58 @@ class ResponsesWire(Wire):
         if self.open is None:
             return []
         o, self.open = self.open, None
-        item = _item(Segment("text" if o["kind"] == "message" else "thinking", o["text"]))
+        item = _item(o["kind"], o["text"], o["call"])
         item["id"], item["status"] = o["id"], "completed"
         self.response["output"].append(item)
         idx = o["index"]
         if o["kind"] == "reasoning":
             return [self._ev("response.output_item.done", output_index=idx, item=item)]
+        if o["kind"] == "call":
+            return [self._ev("response.function_call_arguments.done", item_id=o["id"], output_index=idx,
+                             arguments=item["arguments"]),
+                    self._ev("response.output_item.done", output_index=idx, item=item)]
         part = item["content"][0]
         return [self._ev("response.output_text.done", item_id=o["id"], output_index=idx, content_index=0,
                          text=o["text"]),
                 self._ev("response.content_part.done", item_id=o["id"], output_index=idx, content_index=0, part=part),
                 self._ev("response.output_item.done", output_index=idx, item=item)]
 
-    def segment(self, seg: Segment) -> list[str]:
+    def _open(self, kind: str, call: ToolCall | None = None) -> list[str]:
+        out = self._close()
+        idx = len(self.response["output"])
+        shown = {**_item(kind, "", call), "status": "in_progress"}
+        if kind == "text":
+            shown["content"] = []
+        self.open = {"kind": kind, "id": shown["id"], "index": idx, "text": "", "call": call}
+        out.append(self._ev("response.output_item.added", output_index=idx, item=shown))
+        if kind == "text":
+            out.append(self._ev("response.content_part.added", item_id=shown["id"], output_index=idx,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def segment(self, event) -> list[str]:
         out: list[str] = []
-        if seg.kind == "tool_call":
-            out += self._close()
-            idx = len(self.response["output"])
-            item = _item(seg)
-            args = item["arguments"]
-            out.append(self._ev("response.output_item.added", output_index=idx,
-                                item={**item, "status": "in_progress", "arguments": ""}))
-            out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                                delta=args))
-            out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                arguments=args))
-            out.append(self._ev("response.output_item.done", output_index=idx, item=item))
-            self.response["output"].append(item)
-            return out
-        kind = "message" if seg.kind == "text" else "reasoning"
+        if isinstance(event, CallStart):
+            return self._open("call", event.call)
+        if isinstance(event, CallArgs):
+            o = self.open
+            return [self._ev("response.function_call_arguments.delta", item_id=o["id"], output_index=o["index"],
+                             delta=event.text)]
+        if isinstance(event, CallEnd):
+            return self._close()
+        kind = "text" if isinstance(event, Text) else "reasoning"
         if self.open is None or self.open["kind"] != kind:
-            out += self._close()
-            idx = len(self.response["output"])
-            shown = {**_item(Segment(seg.kind, "")), "status": "in_progress"}
-            if kind == "message":
-                shown["content"] = []
-            self.open = {"kind": kind, "id": shown["id"], "index": idx, "text": ""}
-            out.append(self._ev("response.output_item.added", output_index=idx, item=shown))
-            if kind == "message":
-                out.append(self._ev("response.content_part.added", item_id=shown["id"], output_index=idx,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+            out += self._open(kind)
         o = self.open
-        o["text"] += seg.text
-        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        out.append(self._ev(delta, item_id=o["id"], output_index=o["index"], content_index=0, delta=seg.text))
+        o["text"] += event.text
+        delta = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
+        out.append(self._ev(delta, item_id=o["id"], output_index=o["index"], content_index=0, delta=event.text))
         return out
 
     def closing(self, done: Done, has_calls: bool) -> list[str]:
         out = self._close()
-        finish_response(self.response, done, self.n_prompt)
+        notes = self.notes + (self.parser.notes if self.parser is not None else [])
+        finish_response(self.response, done, self.n_prompt, notes)
         kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
         return out + [self._ev(kind, response=self.response)]
 

@@ -17,7 +17,7 @@ from engine import Done, PrefillProgress, Tokens
 
 from .http_errors import ApiError
 from .job_stream import ClientGone, Generation, Heartbeat, Waiting
-from .tool_calls import Segment
+from .tool_stream import Event, Reply, Text
 
 
 class Wire:
@@ -31,7 +31,8 @@ class Wire:
         """A keep-alive; `info` says what the request waits on (queue position, prefill progress)."""
         return [": ping\n\n"]
 
-    def segment(self, seg: Segment) -> list[str]:
+    def segment(self, event: Event) -> list[str]:
+        """One parser event (tool_stream.events: Text, Reasoning, CallStart, CallArgs, CallEnd)."""
         raise NotImplementedError
 
     def closing(self, done: Done, has_calls: bool) -> list[str]:
@@ -45,11 +46,12 @@ class PlainText:
     """The parser for raw completions: text goes out as it comes."""
 
     calls: list = []
+    notes: list = []
 
-    def feed(self, text: str) -> list[Segment]:
-        return [Segment("text", text)] if text else []
+    def feed(self, text: str) -> list[Event]:
+        return [Text(text)] if text else []
 
-    def finish(self) -> list[Segment]:
+    def finish(self, cut: bool = False) -> list[Event]:
         return []
 
 
@@ -85,11 +87,24 @@ async def drive(gen: Generation, parser: Any, wire: Wire) -> AsyncIterator[str]:
         return
     except ClientGone:
         return
-    for seg in parser.finish():
+    for seg in parser.finish(cut=cut_short(gen.done)):
         for line in wire.segment(seg):
             yield line
     for line in wire.closing(gen.done, bool(parser.calls)):
         yield line
+
+
+def cut_short(done: Any) -> bool:
+    """The reply was cut by max_tokens (a call in it is then incomplete, and reported so)."""
+    return done is not None and done.finish_reason == "length"
+
+
+def whole_reply(parser: Any, text: str, done: Any) -> Reply:
+    """A non-streaming reply: the same parser and events a stream would have sent."""
+    reply = Reply()
+    for event in parser.feed(text) + parser.finish(cut=cut_short(done)):
+        reply.add(event)
+    return reply
 
 
 async def collect_text(gen: Generation) -> str:

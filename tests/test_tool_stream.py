@@ -79,6 +79,8 @@ def test_streamed_reply_equals_whole(case, split):
     reply, events, _ = stream(syntax, pieces)
     assert blocks(reply) == expected
     check_events(events, reply)
+    whole, _ = parse_reply(text, Syntax(syntax), TOOLS)
+    assert [c.arguments_json for c in reply.calls] == [c.arguments_json for c in whole.calls]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -38,6 +38,32 @@ class Syntax:
         return PARSERS[self.name](tools, **kw)
 
 
+# How each syntax opens a call, and a call of one named tool (tool_choice any / tool / required).
+CALL_OPENINGS = {
+    "hermes": ('<tool_call>\n{"name": "', '{name}", "arguments": '),
+    "qwen3_coder": ("<tool_call>\n<function=", "{name}>\n"),
+    "glm47": ("<tool_call>", "{name}\n"),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.", "{name}:0<|tool_call_argument_begin|>"),
+    "mistral": ("[TOOL_CALLS]", "{name}[ARGS]"),
+    "harmony": ("<|channel|>commentary to=functions.", "{name} <|constrain|>json<|message|>"),
+}
+
+
+def forced_call_prefix(syntax: Syntax, name: str, close_thinking: bool) -> str:
+    """The text that makes the model's reply begin with a call (of `name`, or of any tool when
+    `name` is empty). Raises ValueError when this syntax can't be constrained that way."""
+    if syntax.whole is not None:
+        if name:
+            raise ValueError("this model's tool-call syntax can't be constrained to one named tool")
+        opening = syntax.whole[0]
+    else:
+        start, named = CALL_OPENINGS[syntax.name]
+        opening = start + (named.format(name=name) if name else "")
+    if close_thinking and syntax.think_end:  # as with Anthropic's API, a forced call skips reasoning
+        opening = syntax.think_end + "\n\n" + opening
+    return opening
+
+
 def syntax_for(tokenizer: Any) -> Syntax:
     """The syntax of this tokenizer's model (an mlx-lm TokenizerWrapper), Hermes by default."""
     template = getattr(tokenizer, "chat_template", None)
@@ -72,4 +98,4 @@ def parse_reply(text: str, syntax: Syntax | None = None, tools: list[dict] | Non
 
 
 __all__ = ["Block", "CallArgs", "CallEnd", "CallStart", "Event", "PARSERS", "Reasoning", "Reply", "ReplyParser",
-           "Syntax", "Text", "ToolCall", "new_call_id", "parse_reply", "syntax_for"]
+           "Syntax", "Text", "ToolCall", "forced_call_prefix", "new_call_id", "parse_reply", "syntax_for"]

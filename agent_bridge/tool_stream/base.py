@@ -32,6 +32,7 @@ class ReplyParser:
         self.id_prefix = id_prefix
         self.buf = ""
         self.out: list[Event] = []
+        self.primed: list[Event] = []
         self.calls: list[ToolCall] = []
         self.call: ToolCall | None = None  # the call being written
         self.jstream: JsonStream | None = None  # its arguments, when the model writes JSON
@@ -45,15 +46,20 @@ class ReplyParser:
         self.fresh = True  # nothing said since the start, a thought or a call: leading whitespace is noise
 
     # -- driving ------------------------------------------------------------------------
+    def prime(self, text: str) -> None:
+        """Text the server wrote for the model (a forced call's opening): parsed as the model's,
+        its events handed out with the next feed or finish."""
+        self.primed = self.feed(text)
+
     def feed(self, text: str) -> list[Event]:
         self.buf += text
-        self.out = []
+        self.out, self.primed = self.primed, []
         self._run()
         return self.out
 
     def finish(self, cut: bool = False) -> list[Event]:
         """The output ended: at EOS or a stop string, or `cut` by max_tokens."""
-        self.out, self.cut = [], cut
+        self.out, self.primed, self.cut = self.primed, [], cut
         self._run()
         if cut:  # a marker cut short is markup, not text
             self.buf = self.buf[: len(self.buf) - held_back(self.buf, self._markers() + [self.think_end or ""])]

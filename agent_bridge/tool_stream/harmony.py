@@ -71,7 +71,7 @@ class Harmony(ReplyParser):
         self.phase, self.head = "header", ""
 
     def finish(self, cut: bool = False):
-        self.out, self.cut = [], cut
+        self.out, self.primed, self.cut = self.primed, [], cut
         self._run()
         if cut and self.phase != "header":  # an end marker cut short is markup
             self.buf = self.buf[: len(self.buf) - held_back(self.buf, _ENDS)]

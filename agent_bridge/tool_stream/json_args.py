@@ -113,7 +113,8 @@ class JsonStream:
             self.state = "after"
             return self._char(c, out)
         if c in WS:
-            self.held += c
+            if s != "start":  # (leading whitespace is the wire's, not the arguments')
+                self.held += c
             return True
         if s == "start":
             if c != "{":  # tool arguments are an object

@@ -1,0 +1,75 @@
+"""A scripted model for protocol tests: a real tiny model run by the real engine, whose logits
+are replaced so that, after the chat template's generation prompt, it writes a given reply
+token by token and then EOS.
+
+The tiny model still runs every forward (so the KV cache, rollback and speculative rounds
+behave as usual); only its output is overridden. Each position's next token depends only on
+the tokens before it, like any model's, so the engine's lossless verification applies.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+MARKER = "<|im_start|>assistant"  # the tiny template's generation prompt (tests/tiny_models.py)
+
+
+class Script:
+    def __init__(self, engine):
+        self.tok = engine.tokenizer
+        self.marker = list(self.tok.encode(MARKER, add_special_tokens=False))
+        self.eos = self.tok.eos_token_id
+        self.reply, self.ids = "", []
+        self.history: list[int] = []
+        self.start = -1  # the position after the last generation prompt seen
+        self.matched = 0  # how many tokens after `start` are the reply's own tokens
+
+    def set(self, reply: str) -> None:
+        self.reply, self.ids = reply, list(self.tok.encode(reply, add_special_tokens=False))
+
+    def next_token(self, p: int) -> int:
+        """The token after position p."""
+        if self.start < 0 or p + 1 < self.start:
+            return self.eos
+        k = p + 1 - self.start  # tokens of the reply already written
+        if k <= self.matched:
+            return self.ids[k] if k < len(self.ids) else self.eos
+        # the reply's start was written by the server (a forced tool call): go on from its text
+        written = self.tok.decode(self.history[self.start : p + 1])
+        if not self.reply.startswith(written) or written == self.reply:
+            return self.eos
+        return self.tok.encode(self.reply[len(written):], add_special_tokens=False)[0]
+
+
+def script_engine(engine) -> Script:
+    """Make `engine`'s model follow a Script (set its reply with `script.set(text)`)."""
+    script = Script(engine)
+    model = engine.target.model
+    base = type(model)
+
+    class Scripted(base):
+        def __call__(self, inputs, cache=None, **kw):
+            offset = cache[0].offset if cache else 0
+            logits = base.__call__(self, inputs, cache=cache, **kw)
+            tokens = np.array(inputs).reshape(-1).tolist()
+            del script.history[offset:]
+            if offset == 0:
+                script.start = -1
+            script.matched = max(0, min(script.matched, offset - script.start))
+            for t in tokens:
+                script.history.append(t)
+                n = len(script.history)
+                k = n - 1 - script.start
+                if script.start >= 0 and script.matched == k and k < len(script.ids) and script.ids[k] == t:
+                    script.matched += 1
+                if script.history[n - len(script.marker):] == script.marker:
+                    script.start, script.matched = n, 0
+            rows = logits.shape[1]
+            forced = np.full((1, rows, logits.shape[-1]), -1e4, dtype=np.float32)
+            for i in range(rows):
+                forced[0, i, script.next_token(offset + len(tokens) - rows + i)] = 0.0
+            return mx.array(forced)
+
+    model.__class__ = Scripted
+    return script
