@@ -250,7 +250,7 @@ async def messages(request: Request):
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
-    parser = bridge.parser(req, ids, id_prefix="toolu_")
+    parser = bridge.parser(req, gen, id_prefix="toolu_")
     if req.stream:
         return EventStream(drive(gen, parser, AnthropicWire(gen, len(ids), model, bridge.signer, parser, req)), gen)
     text = await collect_text(gen)

@@ -26,6 +26,7 @@ from .http_errors import ApiError, from_engine_error
 from .metrics import Metrics
 from .thinking_signature import ThinkingSigner
 from .tool_stream import ReplyParser, Syntax, syntax_for
+from .turn_replay import Turn, TurnMemory, render_replayed, reply_key
 
 DISCONNECT_POLL_S = 0.5
 _TOKENIZER_LOCK = threading.Lock()
@@ -53,6 +54,7 @@ class Bridge:
     model_name: str
     syntax: Syntax
     signer: ThinkingSigner = field(default_factory=ThinkingSigner)
+    turns: TurnMemory = field(default_factory=TurnMemory)
 
     @classmethod
     def for_engine(cls, engine: Any, context_window: int | None, default_max_tokens: int,
@@ -78,7 +80,11 @@ class Bridge:
         return ids
 
     def _render(self, req: ChatRequest) -> list[int]:
-        ids = render(self.engine, req)
+        ids = render_replayed(self.engine, req.messages, req.tools, req.template_kwargs, self.turns)
+        if ids is None:
+            ids = render(self.engine, req)
+        elif req.assistant_prefix:
+            ids = ids + self.engine.encode(req.assistant_prefix)
         req.starts_thinking = self.starts_thinking(ids) and not req.assistant_prefix
         if req.forced_tool is not None and req.parse_tools:
             ids = force_call(self.engine, self.syntax, req, ids)
@@ -97,13 +103,21 @@ class Bridge:
         tail = self.engine.decode(prompt_ids[-8:]).rstrip()
         return tail.endswith(self.syntax.think_start)
 
-    def parser(self, req: ChatRequest, prompt_ids: list[int], id_prefix: str = "call_") -> ReplyParser:
-        """The reply parser for this request: the model's syntax, the offered tools."""
+    def parser(self, req: ChatRequest, gen: "Generation", id_prefix: str = "call_") -> ReplyParser:
+        """The reply parser for this request: the model's syntax, the offered tools; the finished
+        reply is remembered so that its echo renders to the same tokens (turn_replay.py)."""
         p = self.syntax.parser(req.tools, parse_tools=req.parse_tools, thinking=req.starts_thinking,
                                id_prefix=id_prefix)
         if req.forced_prefix:
             p.prime(req.forced_prefix)
+        p.on_finish = lambda parser: self.remember(req, parser, gen)
         return p
+
+    def remember(self, req: ChatRequest, parser: ReplyParser, gen: "Generation") -> None:
+        done = gen.done
+        if done is None or done.finish_reason in ("length", "cancelled", "stop_string") or req.assistant_prefix:
+            return
+        self.turns.remember(reply_key(parser), Turn(req.forced_prefix, list(done.token_ids)))
 
     async def generate(self, req: ChatRequest, prompt_ids: list[int], request: Request | None) -> "Generation":
         """Submit and wait for the engine to start on it, so an early error is still an HTTP error."""

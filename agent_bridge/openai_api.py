@@ -147,7 +147,7 @@ async def chat_completions(request: Request):
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
-    parser = bridge.parser(req, ids)
+    parser = bridge.parser(req, gen)
     if req.stream:
         return EventStream(drive(gen, parser, ChatWire(len(ids), model, include_usage, parser, req.notes)), gen)
     text = await collect_text(gen)

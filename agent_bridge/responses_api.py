@@ -139,7 +139,7 @@ async def responses(request: Request):
     req = parse_request(body, bridge.default_max_tokens)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
-    parser = bridge.parser(req, ids)
+    parser = bridge.parser(req, gen)
     response = {
         "id": _id("resp_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "model": req.model or bridge.model_name, "output": [], "error": None, "incomplete_details": None,

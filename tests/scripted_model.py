@@ -16,9 +16,9 @@ MARKER = "<|im_start|>assistant"  # the tiny template's generation prompt (tests
 
 
 class Script:
-    def __init__(self, engine):
+    def __init__(self, engine, marker: str = MARKER):
         self.tok = engine.tokenizer
-        self.marker = list(self.tok.encode(MARKER, add_special_tokens=False))
+        self.marker = list(self.tok.encode(marker, add_special_tokens=False))
         self.eos = self.tok.eos_token_id
         self.reply, self.ids = "", []
         self.history: list[int] = []
@@ -42,9 +42,11 @@ class Script:
         return self.tok.encode(self.reply[len(written):], add_special_tokens=False)[0]
 
 
-def script_engine(engine) -> Script:
-    """Make `engine`'s model follow a Script (set its reply with `script.set(text)`)."""
-    script = Script(engine)
+def script_engine(engine, marker: str = MARKER) -> Script:
+    """Make `engine`'s model follow a Script (set its reply with `script.set(text)`); `marker` is
+    the chat template's generation prompt. With the prefix cache on, a request that starts past
+    position 0 continues the history of the requests before it (its cached prefix)."""
+    script = Script(engine, marker)
     model = engine.target.model
     base = type(model)
 
@@ -54,7 +56,7 @@ def script_engine(engine) -> Script:
             logits = base.__call__(self, inputs, cache=cache, **kw)
             tokens = np.array(inputs).reshape(-1).tolist()
             del script.history[offset:]
-            if offset == 0:
+            if offset == 0 or script.start > offset:
                 script.start = -1
             script.matched = max(0, min(script.matched, offset - script.start))
             for t in tokens:
@@ -63,7 +65,8 @@ def script_engine(engine) -> Script:
                 k = n - 1 - script.start
                 if script.start >= 0 and script.matched == k and k < len(script.ids) and script.ids[k] == t:
                     script.matched += 1
-                if script.history[n - len(script.marker):] == script.marker:
+                inside_reply = script.start >= 0 and script.matched == n - script.start
+                if not inside_reply and script.history[n - len(script.marker):] == script.marker:
                     script.start, script.matched = n, 0
             rows = logits.shape[1]
             forced = np.full((1, rows, logits.shape[-1]), -1e4, dtype=np.float32)

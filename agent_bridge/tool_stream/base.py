@@ -33,6 +33,8 @@ class ReplyParser:
         self.buf = ""
         self.out: list[Event] = []
         self.primed: list[Event] = []
+        self.visible = ""  # all text sent as text (what a client echoes back)
+        self.on_finish = None  # called with the parser once the reply is whole
         self.calls: list[ToolCall] = []
         self.call: ToolCall | None = None  # the call being written
         self.jstream: JsonStream | None = None  # its arguments, when the model writes JSON
@@ -55,6 +57,12 @@ class ReplyParser:
         self.buf += text
         self.out, self.primed = self.primed, []
         self._run()
+        return self.done_step(False)
+
+    def done_step(self, final: bool) -> list[Event]:
+        self.visible += "".join(e.text for e in self.out if isinstance(e, Text))
+        if final and self.on_finish is not None:
+            self.on_finish(self)
         return self.out
 
     def finish(self, cut: bool = False) -> list[Event]:
@@ -73,7 +81,7 @@ class ReplyParser:
         if self.pending_ws and not self.fresh and not cut:  # trailing whitespace is the model's text too
             self.out.append(Text(self.pending_ws))
         self.buf, self.pending_ws, self.state = "", "", "text"
-        return self.out
+        return self.done_step(True)
 
     def _run(self) -> None:
         while True:

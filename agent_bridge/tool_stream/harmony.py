@@ -92,7 +92,7 @@ class Harmony(ReplyParser):
             from .events import Text
             self.out.append(Text(self.pending_ws))
         self.buf, self.pending_ws, self.phase, self.head = "", "", "header", ""
-        return self.out
+        return self.done_step(True)
 
 
 __all__ = ["Harmony", "held_back"]
