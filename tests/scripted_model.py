@@ -25,8 +25,17 @@ class Script:
         self.start = -1  # the position after the last generation prompt seen
         self.matched = 0  # how many tokens after `start` are the reply's own tokens
 
-    def set(self, reply: str) -> None:
-        self.reply, self.ids = reply, list(self.tok.encode(reply, add_special_tokens=False))
+    def set(self, *replies: str, turn_marker: str = "<tool_response>") -> None:
+        """The reply to write; with several, the i-th answers a prompt holding i tool results
+        (`turn_marker`, a special token), as an agent's turns after each tool call do."""
+        self.replies = [(r, list(self.tok.encode(r, add_special_tokens=False))) for r in replies]
+        self.turn_id = self.tok.convert_tokens_to_ids(turn_marker)
+        self.reply, self.ids = self.replies[0]
+
+    def begin_reply(self) -> None:
+        """A generation prompt was read: pick the reply for this turn."""
+        turn = self.history.count(self.turn_id) if len(self.replies) > 1 else 0
+        self.reply, self.ids = self.replies[min(turn, len(self.replies) - 1)]
 
     def next_token(self, p: int) -> int:
         """The token after position p."""
@@ -68,6 +77,7 @@ def script_engine(engine, marker: str = MARKER) -> Script:
                 inside_reply = script.start >= 0 and script.matched == n - script.start
                 if not inside_reply and script.history[n - len(script.marker):] == script.marker:
                     script.start, script.matched = n, 0
+                    script.begin_reply()
             rows = logits.shape[1]
             forced = np.full((1, rows, logits.shape[-1]), -1e4, dtype=np.float32)
             for i in range(rows):
