@@ -174,3 +174,12 @@ def test_arguments_stream_while_written():
         p.finish()
         assert len(seen) > 100, syntax  # a piece for (almost) every 10 characters written
         assert p.calls[0].arguments["content"].rstrip("\n") == content.rstrip("\n"), syntax
+
+
+def test_schema_mismatch_is_noted():
+    text = '<tool_call>\n{"name": "write_file", "arguments": {"path": 3}}\n</tool_call>'
+    reply, _ = parse_reply(text, Syntax("hermes"), TOOLS)
+    (call,) = reply.calls
+    assert "missing 'content'" in call.note and "'path' is not string" in call.note
+    ok, p = parse_reply(CASES["hermes"][1], Syntax("hermes"), TOOLS)
+    assert not p.notes and all(not c.note for c in ok.calls)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .events import CallArgs, CallEnd, CallStart, Event, Reasoning, Text, ToolCall, new_call_id
-from .json_args import ArgsWriter, JsonStream
+from .json_args import ArgsWriter, JsonStream, schema_problems
 
 
 class ReplyParser:
@@ -207,6 +207,9 @@ class ReplyParser:
         if self.call is not None:
             self.args(tail)
             self.call.complete, self.call.note = complete, note
+            problems = schema_problems(self.schemas.get(self.call.name), self.call.arguments) if complete else []
+            if problems:  # already streamed: the client hears it here (and checks input itself, as Claude Code does)
+                self.call.note = "arguments do not match the tool's input schema: " + "; ".join(problems)
             if not complete and not note:
                 self.call.note = ("cut by max_tokens; its arguments were closed to stay valid JSON" if self.cut
                                   else "the model stopped inside this call; its arguments were closed")

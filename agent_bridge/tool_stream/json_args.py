@@ -263,3 +263,31 @@ class ArgsWriter:
     def close(self) -> str:
         """The end of the object; also finishes a value cut short."""
         return self.end_value() + ("}" if self.count else "{}")
+
+
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
+               "object": dict, "null": type(None)}
+
+
+def schema_problems(schema: dict | None, args: dict) -> list[str]:
+    """Where arguments break the top level of the tool's input schema (required keys, JSON
+    types, keys it forbids). Deeper rules are the client's to check, as with any API."""
+    if not isinstance(schema, dict):
+        return []
+    props = schema.get("properties") or {}
+    problems = [f"missing {k!r}" for k in schema.get("required") or [] if k not in args]
+    for key, value in args.items():
+        prop = props.get(key)
+        if prop is None:
+            if schema.get("additionalProperties") is False:
+                problems.append(f"unknown {key!r}")
+            continue
+        kinds = prop.get("type") if isinstance(prop, dict) else None
+        kinds = [kinds] if isinstance(kinds, str) else kinds or []
+        types: tuple = ()
+        for k in kinds:
+            t = _JSON_TYPES.get(k, ())
+            types += t if isinstance(t, tuple) else (t,)
+        if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            problems.append(f"{key!r} is not {' or '.join(kinds)}")
+    return problems
