@@ -43,6 +43,7 @@ class ReplyParser:
         self.rejected = ""  # the name of a call that goes out as text
         self.notes: list[str] = []
         self.markup = ""
+        self.ws_before_call = ""  # whitespace before a call: noise, unless the call goes out as text
         self.cut = False
         self.pending_ws = ""  # whitespace held until something follows it
         self.fresh = True  # nothing said since the start, a thought or a call: leading whitespace is noise
@@ -139,7 +140,7 @@ class ReplyParser:
 
     def end_of_output(self) -> None:
         """Output ended inside a call section: close a started call, drop or release the rest."""
-        self.consume(len(self.buf))
+        self.take(len(self.buf))
         if self.call is not None:
             tail, complete = self.close_args()
             self.end_call(complete=complete and not self.cut, tail=tail)
@@ -163,8 +164,6 @@ class ReplyParser:
         text, self.buf = self.buf[:n], self.buf[n:]
         self.markup += text
         return text
-
-    consume = take
 
     def mark(self, text: str = "") -> None:
         """A call's own markup starts here (for releasing it as text)."""
@@ -225,7 +224,7 @@ class ReplyParser:
     def release_markup(self, note: str) -> None:
         if note:
             self.notes.append(note + "; its call is returned as text")
-        self.pending_ws = getattr(self, "ws_before_call", "")
+        self.pending_ws = self.ws_before_call
         self._text(self.markup)
         self.rejected, self.markup = "", ""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from .base import ReplyParser, held_back
+from .events import Reasoning, Text
 
 _ENDS = ["<|end|>", "<|call|>", "<|return|>"]
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
@@ -43,7 +44,7 @@ class Harmony(ReplyParser):
         text, marker = self.until(_ENDS)
         if self.phase == "analysis":
             if text:
-                self.out.append(self.reasoning(text))
+                self.out.append(Reasoning(text))
         elif self.phase == "text":
             self._text(text)
         elif self.phase == "args":
@@ -54,10 +55,6 @@ class Harmony(ReplyParser):
             return False
         self.end_message()
         return True
-
-    def reasoning(self, text: str):
-        from .events import Reasoning
-        return Reasoning(text)
 
     def end_message(self) -> None:
         if self.phase == "args":
@@ -79,7 +76,7 @@ class Harmony(ReplyParser):
             if self.head.strip() and not cut and "<|channel|>" not in self.head:
                 self._text(self.head + self.buf)  # no harmony at all: plain text
         elif self.phase == "analysis" and self.buf:
-            self.out.append(self.reasoning(self.buf))
+            self.out.append(Reasoning(self.buf))
         elif self.phase == "text":
             self._text(self.buf)
         elif self.phase == "args":  # the engine stopped at <|call|>, or max_tokens cut the arguments
@@ -89,10 +86,7 @@ class Harmony(ReplyParser):
         elif self.phase == "rejected":
             self.end_call()
         if self.pending_ws and not self.fresh and not cut:
-            from .events import Text
             self.out.append(Text(self.pending_ws))
         self.buf, self.pending_ws, self.phase, self.head = "", "", "header", ""
         return self.done_step(True)
 
-
-__all__ = ["Harmony", "held_back"]

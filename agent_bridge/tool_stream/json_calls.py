@@ -7,6 +7,7 @@ import json
 import re
 
 from .base import ReplyParser
+from .json_args import JsonStream
 
 _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
@@ -193,7 +194,6 @@ class Mistral(ReplyParser):
     def _rejected_json(self, text: str) -> str:
         """An unknown tool's arguments: read (to find their end) but not sent."""
         if self.jstream is None:
-            from .json_args import JsonStream
             self.jstream = JsonStream()
         _, rest = self.jstream.feed(text)
         if self.jstream.error:
