@@ -63,6 +63,7 @@ class Bridge:
     model_name: str
     syntax: Syntax
     max_queue: int = DEFAULT_MAX_QUEUE
+    takeover_grace_s: float = TAKEOVER_GRACE_S
     live: dict = field(default_factory=dict)  # request key -> its Generation, while a client listens
     parked: dict = field(default_factory=dict)  # request key -> Generation whose client left, for a retry
 
@@ -137,7 +138,7 @@ class Bridge:
     def park(self, gen: "Generation") -> None:
         self.parked[gen.key] = gen
         self.engine.hold(gen.job)  # not started for nobody; one already prefilling goes on
-        asyncio.get_running_loop().call_later(TAKEOVER_GRACE_S, self._expire, gen)
+        asyncio.get_running_loop().call_later(self.takeover_grace_s, self._expire, gen)
 
     def _expire(self, gen: "Generation") -> None:
         if self.parked.get(gen.key) is gen:
