@@ -77,4 +77,5 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
         kv_bits=getattr(args, "kv_bits", None),
         drafter=getattr(args, "drafter", None),
         drafter_bits=getattr(args, "drafter_bits", None),
+        max_batch=getattr(args, "max_batch", 1),
     )
