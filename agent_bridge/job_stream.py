@@ -64,12 +64,12 @@ class Bridge:
     metrics: Metrics
     model_name: str
     syntax: Syntax
-    signer: ThinkingSigner = field(default_factory=ThinkingSigner)
-    turns: TurnMemory = field(default_factory=TurnMemory)
     max_queue: int = DEFAULT_MAX_QUEUE
     takeover_grace_s: float = TAKEOVER_GRACE_S
     live: dict = field(default_factory=dict)  # request key -> its Generation, while a client listens
     parked: dict = field(default_factory=dict)  # request key -> Generation whose client left, for a retry
+    signer: ThinkingSigner = field(default_factory=ThinkingSigner)  # thinking blocks' signatures
+    turns: TurnMemory = field(default_factory=TurnMemory)  # replies remembered for their echo
 
     @classmethod
     def for_engine(cls, engine: Any, context_window: int | None, default_max_tokens: int,
