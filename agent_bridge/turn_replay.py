@@ -59,11 +59,13 @@ class TurnMemory:
 
 
 def reply_key(parser: Any) -> tuple | None:
-    """The key of a reply as the parser saw it (the same the client's echo will have)."""
+    """The key of a reply as the parser saw it (the same the client's echo will have). Call ids
+    are unique; a reply of text alone is keyed by its text, so only one without reasoning is
+    kept (another conversation's echo of the same words must not bring this one's thoughts)."""
     if parser.calls:
         return ("calls",) + tuple(c.id for c in parser.calls)
     text = parser.visible.strip()
-    return ("text", text) if text else None
+    return ("text", text) if text and not parser.reasoned else None
 
 
 def _apply(tokenizer: Any, messages: list[dict], tools: Any, generation: bool, kwargs: dict) -> str:

@@ -34,6 +34,7 @@ class ReplyParser:
         self.out: list[Event] = []
         self.primed: list[Event] = []
         self.visible = ""  # all text sent as text (what a client echoes back)
+        self.reasoned = False  # some reasoning was sent
         self.on_finish = None  # called with the parser once the reply is whole
         self.calls: list[ToolCall] = []
         self.call: ToolCall | None = None  # the call being written
@@ -62,6 +63,7 @@ class ReplyParser:
 
     def done_step(self, final: bool) -> list[Event]:
         self.visible += "".join(e.text for e in self.out if isinstance(e, Text))
+        self.reasoned = self.reasoned or any(isinstance(e, Reasoning) for e in self.out)
         if final and self.on_finish is not None:
             self.on_finish(self)
         return self.out
