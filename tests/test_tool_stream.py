@@ -18,16 +18,8 @@ def blocks(reply: Reply) -> list[tuple]:
     return [(b.kind, b.text) if b.kind != "call" else ("call", b.call.name, b.call.arguments) for b in reply.blocks]
 
 
-def stream(syntax: str, pieces: list[str], cut: bool = False, tools=TOOLS):
-    p = Syntax(syntax).parser(tools)
-    events = []
-    for piece in pieces:
-        events += p.feed(piece)
-    events += p.finish(cut=cut)
-    reply = Reply()
-    for e in events:
-        reply.add(e)
-    return reply, events, p
+def stream(syntax: str, pieces: list[str], cut: bool = False):
+    return stream_with(Syntax(syntax), pieces, cut)
 
 
 def marker_tokens(text: str) -> list[str]:
@@ -183,3 +175,31 @@ def test_schema_mismatch_is_noted():
     assert "missing 'content'" in call.note and "'path' is not string" in call.note
     ok, p = parse_reply(CASES["hermes"][1], Syntax("hermes"), TOOLS)
     assert not p.notes and all(not c.note for c in ok.calls)
+
+
+def test_other_mlx_lm_syntaxes_are_read_whole():
+    """A syntax we don't stream (here MiniMax M2, through mlx-lm's own parser) still gives calls."""
+    from mlx_lm.tool_parsers import minimax_m2
+
+    syntax = Syntax("mlx_lm", whole=(minimax_m2.tool_call_start, minimax_m2.tool_call_end,
+                                     minimax_m2.parse_tool_call))
+    text = ('Reading.<minimax:tool_call><invoke name="read_file"><parameter name="path">a.py</parameter>'
+            "</invoke></minimax:tool_call>")
+    for pieces in ([text], list(text)):
+        reply, events, _ = stream_with(syntax, pieces)
+        assert blocks(reply) == [("text", "Reading."), ("call", "read_file", {"path": "a.py"})]
+        check_events(events, reply)
+    reply, _, p = stream_with(syntax, list(text[:40]), cut=True)
+    assert blocks(reply) == [("text", "Reading.")] and p.notes
+
+
+def stream_with(syntax, pieces, cut=False):
+    p = syntax.parser(TOOLS)
+    events = []
+    for piece in pieces:
+        events += p.feed(piece)
+    events += p.finish(cut=cut)
+    reply = Reply()
+    for e in events:
+        reply.add(e)
+    return reply, events, p
