@@ -72,6 +72,20 @@ HARMONY_FINAL = (
     "<|start|>assistant<|channel|>final<|message|>All good: see `<|x|>` docs.<|return|>"
 )
 
+HARMONY_INTERLEAVED = (
+    "<|channel|>analysis<|message|>First the file.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>{\"path\":\"a.py\"}<|call|>"
+    "<|start|>assistant<|channel|>analysis<|message|>Then the flags.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.set_flags <|constrain|>json<|message|>{\"count\":2}<|call|>"
+)
+
+HERMES_INTERLEAVED = (
+    "<think>a first</think>"
+    '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
+    "<think>then b</think>Now b.\n"
+    '<tool_call>\n{"name": "read_file", "arguments": {"path": "b.py"}}\n</tool_call>'
+)
+
 CASES = {
     "hermes": ("hermes", HERMES, [
         ("reasoning", "\nThe user wants a.py.\n"), ("text", "Let me read it."),
@@ -99,6 +113,12 @@ CASES = {
     "harmony": ("harmony", HARMONY, [
         ("reasoning", "Need to read the file first."), ("text", "Reading a.py."),
         ("call", "read_file", {"path": "a.py"})]),
+    "harmony_interleaved": ("harmony", HARMONY_INTERLEAVED, [
+        ("reasoning", "First the file."), ("call", "read_file", {"path": "a.py"}),
+        ("reasoning", "Then the flags."), ("call", "set_flags", {"count": 2})]),
+    "hermes_interleaved": ("hermes", HERMES_INTERLEAVED, [
+        ("reasoning", "a first"), ("call", "read_file", {"path": "a.py"}),
+        ("reasoning", "then b"), ("text", "Now b."), ("call", "read_file", {"path": "b.py"})]),
     "harmony_final": ("harmony", HARMONY_FINAL, [
         ("reasoning", "It is done."), ("text", "All good: see `<|x|>` docs.")]),
 }
