@@ -128,6 +128,7 @@ def test_responses_sdk_rebuilds_the_same_response(scripted, oai, case):
     assert len(deltas) > len([b for b in expected if b[0] == "call"])
 
 
+@pytest.mark.slow  # ~60 requests (every character position is cut in test_tool_stream.py)
 def test_max_tokens_cut_at_every_token(scripted, claude, oai):
     """Issue 13 item 4: a reply cut inside (or after) a call is max_tokens/length, with no markup as text."""
     expected = use(scripted, "hermes")
