@@ -16,12 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import Done, PrefillProgress, Tokens
+from engine import Done
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, anthropic_body, bad_request
-from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
-from .tool_calls import OutputParser, Segment, parse_text
+from .job_stream import Bridge, EventStream, Generation, read_json, sse
+from .stream_driver import Wire, collect_text, cut_short, drive, whole_reply
+from .thinking_signature import ThinkingSigner
+from .tool_stream import CallArgs, CallEnd, CallStart, Reasoning, Reply, Text
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 STOP_REASONS = {"length": "max_tokens", "stop_string": "stop_sequence", "stop": "end_turn", "cancelled": "end_turn"}
@@ -62,10 +64,15 @@ def _tool_result_text(block: dict, where: str) -> str:
     return text
 
 
-def convert_messages(messages: list) -> tuple[list[dict], str]:
-    """Anthropic messages -> normalised chat messages, plus a final assistant prefix if any."""
+def convert_messages(messages: list, signer: ThinkingSigner | None = None,
+                     notes: list[str] | None = None) -> tuple[list[dict], str]:
+    """Anthropic messages -> normalised chat messages, plus a final assistant prefix if any.
+
+    Thinking blocks this server signed go back to the template as the message's reasoning;
+    others are left out (thinking_signature.py says why), each with a line in `notes`."""
     out: list[dict] = []
     prefix = ""
+    notes = [] if notes is None else notes
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -83,6 +90,7 @@ def convert_messages(messages: list) -> tuple[list[dict], str]:
             continue
         texts: list[str] = []
         calls: list[dict] = []
+        reasoning: list[str] = []
         for j, b in enumerate(content):
             bw = f"{where}.content[{j}]"
             if not isinstance(b, dict):
@@ -101,8 +109,14 @@ def convert_messages(messages: list) -> tuple[list[dict], str]:
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str):
                     raise bad_request(f"{bw}: tool_use needs a string id and name")
                 calls.append(tool_call(b["id"], b["name"], b.get("input", {})))
-            elif role == "assistant" and kind in ("thinking", "redacted_thinking"):
-                continue  # earlier reasoning is not shown to the model again
+            elif role == "assistant" and kind == "thinking":
+                thought = b.get("thinking")
+                if isinstance(thought, str) and signer is not None and signer.verify(thought, b.get("signature")):
+                    reasoning.append(thought)
+                else:
+                    notes.append(f"{bw}: a thinking block this server did not sign was left out of the prompt")
+            elif role == "assistant" and kind == "redacted_thinking":
+                notes.append(f"{bw}: redacted_thinking was left out of the prompt (this server never redacts)")
             else:
                 text_of([b], where)  # raises the precise error for images, documents, unknown types
         if role == "assistant":
@@ -112,6 +126,8 @@ def convert_messages(messages: list) -> tuple[list[dict], str]:
             msg: dict = {"role": "assistant", "content": "\n".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
+            if reasoning:  # the key chat templates read (Qwen3, GLM, Kimi, DeepSeek; gpt-oss: `thinking`)
+                msg["reasoning_content"] = msg["thinking"] = "".join(reasoning)
             out.append(msg)
         elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
@@ -136,12 +152,14 @@ def convert_tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
-def parse_request(body: dict, default_max_tokens: int, count_only: bool = False) -> ChatRequest:
+def parse_request(body: dict, default_max_tokens: int, count_only: bool = False,
+                  signer: ThinkingSigner | None = None) -> ChatRequest:
     model = get(body, "model", (str,), "" if count_only else None) or ""
     messages = get(body, "messages", (list,))
     if not messages:
         raise bad_request("messages: at least one message is required", param="messages")
-    converted, prefix = convert_messages(messages)
+    notes: list[str] = []
+    converted, prefix = convert_messages(messages, signer, notes)
     system = system_text(body.get("system"))
     if system:
         converted.insert(0, {"role": "system", "content": system})
@@ -151,12 +169,18 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False)
         max_tokens = get_int(body, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
     tools = convert_tools(body.get("tools"))
     choice = get(body, "tool_choice", (dict,), None)
-    parse_tools = True
+    parse_tools, forced = True, None
     if choice is not None:
         if choice.get("type") not in ("auto", "any", "tool", "none"):
             raise bad_request("tool_choice.type: expected 'auto', 'any', 'tool' or 'none'", param="tool_choice")
         if choice["type"] == "none":
             tools, parse_tools = None, False
+        elif choice["type"] == "any":
+            forced = ""
+        elif choice["type"] == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise bad_request("tool_choice.name: expected a string", param="tool_choice")
+            forced = choice["name"]
     template_kwargs = {}
     thinking = get(body, "thinking", (dict,), None)
     if thinking is not None:
@@ -177,6 +201,8 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False)
         template_kwargs=template_kwargs,
         parse_tools=parse_tools,
         assistant_prefix=prefix,
+        forced_tool=None if count_only else forced,
+        notes=notes,
     )
 
 
@@ -191,124 +217,136 @@ def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
 
 
 def _stop(done: Done, has_calls: bool) -> tuple[str, str | None]:
+    if cut_short(done):  # also when a call was being written: the client must know it is cut
+        return "max_tokens", None
     if has_calls:
         return "tool_use", None
     reason = STOP_REASONS.get(done.finish_reason, "end_turn")
     return reason, done.stop_string if reason == "stop_sequence" else None
 
 
-def _block(seg: Segment) -> dict:
-    if seg.kind == "text":
-        return {"type": "text", "text": seg.text}
-    if seg.kind == "thinking":
-        return {"type": "thinking", "thinking": seg.text, "signature": ""}
-    return {"type": "tool_use", "id": seg.call.id, "name": seg.call.name, "input": seg.call.arguments}
+def _content(reply: Reply, signer: ThinkingSigner) -> list[dict]:
+    out = []
+    for b in reply.blocks:
+        if b.kind == "text":
+            out.append({"type": "text", "text": b.text})
+        elif b.kind == "reasoning":
+            out.append({"type": "thinking", "thinking": b.text, "signature": signer.sign(b.text)})
+        else:
+            out.append({"type": "tool_use", "id": b.call.id, "name": b.call.name, "input": b.call.arguments})
+    return out
 
 
-def _parser(bridge: Bridge, req: ChatRequest, ids: list[int]) -> OutputParser:
-    return OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools,
-                        thinking=bridge.starts_thinking(ids) and not req.assistant_prefix, id_prefix="toolu_")
+def _extras(done: Done, notes: list[str]) -> dict:
+    extras = done.stats.to_dict()
+    if notes:
+        extras["notes"] = notes
+    return extras
 
 
 async def messages(request: Request):
     bridge: Bridge = request.app.state.bridge
-    req = parse_request(await read_json(request), bridge.default_max_tokens)
+    req = parse_request(await read_json(request), bridge.default_max_tokens, signer=bridge.signer)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
+    parser = bridge.parser(req, gen, id_prefix="toolu_")
     if req.stream:
-        return EventStream(stream(gen, req, ids, model, _parser(bridge, req, ids)), gen)
-    text = ""
-    async for event in gen.events():
-        if isinstance(event, Tokens):
-            text += event.text
+        return EventStream(drive(gen, parser, AnthropicWire(gen, len(ids), model, bridge.signer, parser, req)), gen)
+    text = await collect_text(gen)
     done = gen.done
-    p = _parser(bridge, req, ids)
-    segs = parse_text(text, p.s, req.tools, parse_tools=req.parse_tools, thinking=p.state == "thinking",
-                      id_prefix="toolu_")
-    reason, seq = _stop(done, any(s.kind == "tool_call" for s in segs))
+    reply = whole_reply(parser, text, done)
+    reason, seq = _stop(done, bool(reply.calls))
     return JSONResponse({
         "id": new_message_id(), "type": "message", "role": "assistant", "model": model,
-        "content": [_block(s) for s in segs], "stop_reason": reason, "stop_sequence": seq,
+        "content": _content(reply, bridge.signer), "stop_reason": reason, "stop_sequence": seq,
         "usage": _usage(len(ids), done.stats.cached_tokens, done.stats.generated_tokens),
-        "mlx_dspark": done.stats.to_dict(),
+        "mlx_dspark": _extras(done, req.notes + parser.notes),
     })
 
 
-async def stream(gen: Generation, req: ChatRequest, ids: list[int], model: str, parser: OutputParser):
-    index = -1
-    open_kind: str | None = None
+class AnthropicWire(Wire):
+    """Messages API events: message_start, content blocks (thinking with its closing signature_delta,
+    text, tool_use with input_json_delta pieces as the model writes them), message_delta/stop."""
 
-    def close() -> list[str]:
-        nonlocal open_kind
-        if open_kind is None:
+    def __init__(self, gen: Generation, n_prompt: int, model: str, signer: ThinkingSigner, parser: Any,
+                 req: ChatRequest):
+        self.gen, self.n_prompt, self.model = gen, n_prompt, model
+        self.signer, self.parser, self.req = signer, parser, req
+        self.index = -1
+        self.open_kind: str | None = None
+        self.thinking = ""  # the open thinking block's text, signed when it closes
+
+    def opening(self) -> list[str]:
+        message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": _usage(self.n_prompt, self.gen.cached_tokens, 0)}
+        return [sse("message_start", {"type": "message_start", "message": message})]
+
+    def ping(self, info: dict | None) -> list[str]:
+        # keeps the client patient while queued, prefilling or writing a tool call
+        return [sse("ping", {"type": "ping", "mlx_dspark": info} if info else {"type": "ping"})]
+
+    def _close(self) -> list[str]:
+        if self.open_kind is None:
             return []
-        open_kind = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+        out = []
+        if self.open_kind == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": self.signer.sign(self.thinking)}))
+            self.thinking = ""
+        self.open_kind = None
+        return out + [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
-    def emit(seg: Segment) -> list[str]:
-        nonlocal index, open_kind
+    def _start(self, kind: str, block: dict) -> list[str]:
+        out = self._close()
+        self.index += 1
+        self.open_kind = kind
+        return out + [sse("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})]
+
+    def _delta(self, delta: dict) -> str:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def segment(self, event) -> list[str]:
         out: list[str] = []
-        if seg.kind == "tool_call":
-            out += close()
-            index += 1
-            start = {"type": "tool_use", "id": seg.call.id, "name": seg.call.name, "input": {}}
-            out.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
-            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "input_json_delta", "partial_json": seg.call.arguments_json}}))
-            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
-            return out
-        if open_kind != seg.kind:
-            out += close()
-            index += 1
-            open_kind = seg.kind
-            start = {"type": "text", "text": ""} if seg.kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
-            out.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": start}))
-        delta = ({"type": "text_delta", "text": seg.text} if seg.kind == "text"
-                 else {"type": "thinking_delta", "thinking": seg.text})
-        out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+        if isinstance(event, Text):
+            if self.open_kind != "text":
+                out += self._start("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": event.text}))
+        elif isinstance(event, Reasoning):
+            if self.open_kind != "thinking":
+                out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking += event.text
+            out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+        elif isinstance(event, CallStart):
+            c = event.call
+            out += self._start("tool_use", {"type": "tool_use", "id": c.id, "name": c.name, "input": {}})
+        elif isinstance(event, CallArgs):
+            out.append(self._delta({"type": "input_json_delta", "partial_json": event.text}))
+        elif isinstance(event, CallEnd):
+            out += self._close()
         return out
 
-    message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": model, "content": [],
-               "stop_reason": None, "stop_sequence": None, "usage": _usage(len(ids), gen.cached_tokens, 0)}
-    yield sse("message_start", {"type": "message_start", "message": message})
-    beat = Heartbeat()
-    try:
-        async for event in gen.events():
-            if isinstance(event, PrefillProgress):
-                yield sse("ping", {"type": "ping"})  # keeps the client patient during a long prefill
-            elif isinstance(event, Tokens):
-                segs = parser.feed(event.text)
-                for seg in segs:
-                    for line in emit(seg):
-                        yield line
-                if beat.due(bool(segs)):
-                    yield sse("ping", {"type": "ping"})
-    except ApiError as e:
-        yield sse("error", anthropic_body(e))
-        return
-    except ClientGone:
-        return
-    for seg in parser.finish():
-        for line in emit(seg):
-            yield line
-    for line in close():
-        yield line
-    done = gen.done
-    reason, seq = _stop(done, bool(parser.calls))
-    if index < 0:  # an empty answer still has one (empty) text block, as the API does
-        yield sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-        yield sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-    yield sse("message_delta", {
-        "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-        "usage": _usage(len(ids), done.stats.cached_tokens, done.stats.generated_tokens),
-        "mlx_dspark": done.stats.to_dict()})
-    yield sse("message_stop", {"type": "message_stop"})
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        out = self._close()
+        if self.index < 0:  # an empty answer still has one (empty) text block, as the API does
+            out += self._start("text", {"type": "text", "text": ""})
+            out += self._close()
+        reason, seq = _stop(done, has_calls)
+        out.append(sse("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+            "usage": _usage(self.n_prompt, done.stats.cached_tokens, done.stats.generated_tokens),
+            "mlx_dspark": _extras(done, self.req.notes + self.parser.notes)}))
+        out.append(sse("message_stop", {"type": "message_stop"}))
+        return out
+
+    def error(self, e: ApiError) -> list[str]:
+        return [sse("error", anthropic_body(e))]
 
 
 async def count_tokens(request: Request):
     bridge: Bridge = request.app.state.bridge
-    req = parse_request(await read_json(request), bridge.default_max_tokens, count_only=True)
+    req = parse_request(await read_json(request), bridge.default_max_tokens, count_only=True, signer=bridge.signer)
     ids = await bridge.prompt_ids(req, check=False)
     return JSONResponse({"input_tokens": len(ids)})
 

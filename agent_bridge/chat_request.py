@@ -36,10 +36,21 @@ class ChatRequest:
     template_kwargs: dict = field(default_factory=dict)
     parse_tools: bool = True  # False when tool_choice is "none"
     assistant_prefix: str = ""  # a final partial assistant message the model continues
+    forced_tool: str | None = None  # tool_choice: None free, "" any tool, else that tool's name
+    notes: list[str] = field(default_factory=list)  # said back in the response's `mlx_dspark.notes`
+    # set while rendering:
+    starts_thinking: bool = False  # the template opened a reasoning block in the generation prompt
+    forced_prefix: str = ""  # the forced call's opening, appended to the prompt
 
     def __post_init__(self) -> None:
         if not self.tools:  # a model's tool-call syntax is only read when the client offered tools
             self.parse_tools = False
+        if self.forced_tool is not None:
+            names = [t["function"]["name"] for t in self.tools or []]
+            if not names:
+                raise bad_request("tool_choice: a call is required but no tools were given", param="tool_choice")
+            if self.forced_tool and self.forced_tool not in names:
+                raise bad_request(f"tool_choice: {self.forced_tool!r} is not among the tools given", param="tool_choice")
 
     def generation_request(self, prompt_ids: list[int]) -> GenerationRequest:
         return GenerationRequest(
@@ -65,6 +76,17 @@ def render(engine: Any, req: ChatRequest) -> list[int]:
     if req.assistant_prefix:
         ids = ids + engine.encode(req.assistant_prefix)
     return ids
+
+
+def force_call(engine: Any, syntax: Any, req: ChatRequest, ids: list[int]) -> list[int]:
+    """tool_choice any/tool/required: the reply starts with the model's call opening."""
+    from .tool_stream import forced_call_prefix
+
+    try:
+        req.forced_prefix = forced_call_prefix(syntax, req.forced_tool or "", req.starts_thinking)
+    except ValueError as e:
+        raise bad_request(f"tool_choice: {e}", param="tool_choice") from None
+    return ids + engine.encode(req.forced_prefix)
 
 
 def fold_system_messages(messages: list[dict]) -> list[dict]:

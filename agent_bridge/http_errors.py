@@ -21,6 +21,7 @@ _TYPES = {
     413: ("request_too_large", "invalid_request_error"),
     415: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
+    529: ("overloaded_error", "server_error"),
     499: ("api_error", "api_error"),
     500: ("api_error", "server_error"),
     503: ("overloaded_error", "server_error"),
@@ -28,12 +29,21 @@ _TYPES = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers or {}
+
+
+def overloaded(max_queue: int, retry_after_s: int) -> ApiError:
+    """The queue is full: OpenAI clients get 429 rate_limit_error, Anthropic's 529 overloaded_error;
+    both with retry-after, which the SDKs (and Claude Code) wait for before retrying."""
+    return ApiError(429, f"the server is busy: {max_queue} requests are already waiting; retry in "
+                    f"{retry_after_s} s", code="overloaded", headers={"retry-after": str(retry_after_s)})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -71,5 +81,7 @@ def error_body(e: ApiError, path: str) -> dict:
 
 
 def error_response(e: ApiError, path: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(error_body(e, path), status_code=e.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.code == "overloaded" and is_anthropic_path(path):
+        e = ApiError(529, e.message, headers=e.headers)
+    return JSONResponse(error_body(e, path), status_code=e.status, headers={**headers, **e.headers})

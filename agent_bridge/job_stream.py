@@ -4,14 +4,22 @@ blocking the event loop.
 A job's events are read by a small pump thread (Job.next_event blocks) and handed to
 the loop through an asyncio queue. Whoever stops listening (a client that hangs up,
 a finished response) cancels the job, so the engine moves on to the next request.
+
+Load: past `max_queue` waiting jobs a request is refused (429, or Anthropic's 529) with
+`retry-after`. A client that hangs up before any output was sent leaves its job parked
+for `TAKEOVER_GRACE_S`: the same request sent again (a client that timed out and
+retries) takes it over, with its place in the queue and its prefill progress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -19,19 +27,31 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from engine import Done, EngineError, PrefillProgress
+from engine import Done, EngineError, PrefillProgress, Tokens
 
-from .chat_request import ChatRequest, check_context, render
-from .http_errors import ApiError, from_engine_error
+from .chat_request import ChatRequest, check_context, force_call, render
+from .http_errors import ApiError, from_engine_error, overloaded
 from .metrics import Metrics
-from .tool_calls import Syntax, syntax_for
+from .thinking_signature import ThinkingSigner
+from .tool_stream import ReplyParser, Syntax, syntax_for
+from .turn_replay import Turn, TurnMemory, render_replayed, reply_key
 
 DISCONNECT_POLL_S = 0.5
+QUEUED_PING_S = 2.0  # a queued stream hears its queue position this often
+TAKEOVER_GRACE_S = 10.0
+DEFAULT_MAX_QUEUE = 32
 _TOKENIZER_LOCK = threading.Lock()
 
 
 class ClientGone(Exception):
     pass
+
+
+@dataclass
+class Waiting:
+    """A request still queued behind others (position 1 is next)."""
+
+    position: int
 
 
 @dataclass
@@ -44,13 +64,19 @@ class Bridge:
     metrics: Metrics
     model_name: str
     syntax: Syntax
+    max_queue: int = DEFAULT_MAX_QUEUE
+    takeover_grace_s: float = TAKEOVER_GRACE_S
+    live: dict = field(default_factory=dict)  # request key -> its Generation, while a client listens
+    parked: dict = field(default_factory=dict)  # request key -> Generation whose client left, for a retry
+    signer: ThinkingSigner = field(default_factory=ThinkingSigner)  # thinking blocks' signatures
+    turns: TurnMemory = field(default_factory=TurnMemory)  # replies remembered for their echo
 
     @classmethod
     def for_engine(cls, engine: Any, context_window: int | None, default_max_tokens: int,
-                   model_name: str | None = None) -> "Bridge":
+                   model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE) -> "Bridge":
         window = engine.context_window if context_window is None else min(context_window, engine.context_window)
         name = model_name or Path(str(engine.info().get("model", "local-model"))).name or "local-model"
-        return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer))
+        return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer), max_queue)
 
     def _locked(self, fn, *args):
         # Hugging Face fast tokenizers mutate their Rust state per call ("Already borrowed"
@@ -61,11 +87,22 @@ class Bridge:
     async def prompt_ids(self, req: ChatRequest, check: bool = True) -> list[int]:
         """Render the chat (tokenizing a 15k-token prompt takes a while: off the loop)."""
         try:
-            ids = await anyio.to_thread.run_sync(self._locked, render, self.engine, req)
+            ids = await anyio.to_thread.run_sync(self._locked, self._render, req)
             if check:
                 check_context(ids, self.context_window)
         except EngineError as e:
             raise from_engine_error(e) from None
+        return ids
+
+    def _render(self, req: ChatRequest) -> list[int]:
+        ids = render_replayed(self.engine, req.messages, req.tools, req.template_kwargs, self.turns)
+        if ids is None:
+            ids = render(self.engine, req)
+        elif req.assistant_prefix:
+            ids = ids + self.engine.encode(req.assistant_prefix)
+        req.starts_thinking = self.starts_thinking(ids) and not req.assistant_prefix
+        if req.forced_tool is not None and req.parse_tools:
+            ids = force_call(self.engine, self.syntax, req, ids)
         return ids
 
     async def encode(self, text: str) -> list[int]:
@@ -81,28 +118,99 @@ class Bridge:
         tail = self.engine.decode(prompt_ids[-8:]).rstrip()
         return tail.endswith(self.syntax.think_start)
 
+    def parser(self, req: ChatRequest, gen: "Generation", id_prefix: str = "call_") -> ReplyParser:
+        """The reply parser for this request: the model's syntax, the offered tools; the finished
+        reply is remembered so that its echo renders to the same tokens (turn_replay.py)."""
+        p = self.syntax.parser(req.tools, parse_tools=req.parse_tools, thinking=req.starts_thinking,
+                               id_prefix=id_prefix)
+        if req.forced_prefix:
+            p.prime(req.forced_prefix)
+        p.on_finish = lambda parser: self.remember(req, parser, gen)
+        return p
+
+    def remember(self, req: ChatRequest, parser: ReplyParser, gen: "Generation") -> None:
+        done = gen.done
+        if done is None or done.finish_reason in ("length", "cancelled", "stop_string") or req.assistant_prefix:
+            return
+        self.turns.remember(reply_key(parser), Turn(req.forced_prefix, list(done.token_ids)))
+
     async def generate(self, req: ChatRequest, prompt_ids: list[int], request: Request | None) -> "Generation":
-        """Submit and wait for the engine to start on it, so an early error is still an HTTP error."""
+        """Submit (or take over the same request's parked job). A stream starts at once; a plain
+        request waits for the engine to start on it, so an early error is still an HTTP error."""
         gen_req = req.generation_request(prompt_ids)
         gen_req.max_tokens = self.clamp_max_tokens(req.max_tokens, len(prompt_ids))
-        try:
-            job = self.engine.submit(gen_req)
-        except EngineError as e:
-            raise from_engine_error(e) from None
-        gen = Generation(self, job, request)
-        await gen.start()
+        key = request_key(request, gen_req)
+        gen = await self._take_over(key, request)
+        if gen is None:
+            if self.engine.load()["queued"] >= self.max_queue:
+                raise overloaded(self.max_queue, self.retry_after())
+            try:
+                job = self.engine.submit(gen_req)
+            except EngineError as e:
+                raise from_engine_error(e) from None
+            gen = Generation(self, job, request, key)
+        await gen.start(wait=not req.stream)
         return gen
+
+    async def _take_over(self, key: str, request: Request | None) -> "Generation | None":
+        old = self.live.get(key)
+        if old is not None and not old.sent_output and old.request is not None \
+                and await old.request.is_disconnected():
+            for _ in range(int(4 * DISCONNECT_POLL_S / 0.05)):  # its reader notices within a poll
+                if old.closed:
+                    break
+                await asyncio.sleep(0.05)
+        old = self.parked.pop(key, None)
+        if old is None or old.job.phase == "done" and old.queue.empty():
+            return None
+        self.engine.hold(old.job, False)
+        return Generation(self, old.job, request, key, events=old.queue)
+
+    def park(self, gen: "Generation") -> None:
+        self.parked[gen.key] = gen
+        self.engine.hold(gen.job)  # not started for nobody; one already prefilling goes on
+        asyncio.get_running_loop().call_later(self.takeover_grace_s, self._expire, gen)
+
+    def _expire(self, gen: "Generation") -> None:
+        if self.parked.get(gen.key) is gen:
+            del self.parked[gen.key]
+            gen.job.cancel()
+            self.engine.hold(gen.job, False)  # wakes the engine to drop it
+
+    def retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: the mean generation time so far, else 5."""
+        return max(1, min(60, math.ceil(self.metrics.mean_wall_s() or 5.0)))
+
+    def load(self) -> dict:
+        load = self.engine.load()
+        load["max_queue"] = self.max_queue
+        load["parked"] = len(self.parked)
+        return load
+
+
+def request_key(request: Request | None, gen_req: Any) -> str:
+    """The same request sent again has the same key (route, rendered prompt, sampling, limits)."""
+    h = hashlib.sha256()
+    h.update((request.url.path if request is not None else "").encode())
+    h.update(json.dumps([gen_req.prompt_ids, gen_req.max_tokens, repr(gen_req.sampling), gen_req.stop,
+                         gen_req.mode, gen_req.max_draft]).encode())
+    return h.hexdigest()
 
 
 class Generation:
-    """One running job seen from the event loop: `async for event in gen` (first event included)."""
+    """One job seen from the event loop: `async for event in gen.events()`. Besides the engine's
+    events it yields `Waiting` while the job is queued. `events` given: a parked job taken over."""
 
-    def __init__(self, bridge: Bridge, job: Any, request: Request | None):
-        self.bridge, self.job, self.request = bridge, job, request
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, bridge: Bridge, job: Any, request: Request | None, key: str = "",
+                 events: asyncio.Queue | None = None):
+        self.bridge, self.job, self.request, self.key = bridge, job, request, key
+        self.adopted = events is not None
+        self.queue: asyncio.Queue = events if events is not None else asyncio.Queue()
         self.first: Any = None
         self.done: Done | None = None
-        self._finished = False
+        self.sent_output = False  # Tokens handed to the client: from then on a retry starts afresh
+        self.closed = False
+        self._last_ping = 0.0
 
     @property
     def cached_tokens(self) -> int:
@@ -113,7 +221,21 @@ class Generation:
             return self.first.done
         return 0
 
-    async def start(self) -> None:
+    async def start(self, wait: bool = True) -> None:
+        self.bridge.metrics.in_flight += 1
+        self.bridge.live[self.key] = self
+        if not self.adopted:
+            self._pump()
+        try:
+            if wait:
+                self.first = await self._next(engine_only=True)
+            elif position := self.bridge.engine.queue_position(self.job):
+                self.first = Waiting(position)  # a stream's first ping says where it stands
+        except BaseException:
+            self.close()
+            raise
+
+    def _pump(self) -> None:
         loop = asyncio.get_running_loop()
         job, q, metrics = self.job, self.queue, self.bridge.metrics
 
@@ -133,15 +255,9 @@ class Generation:
                 if isinstance(event, (Done, BaseException)):
                     return
 
-        self.bridge.metrics.in_flight += 1
         threading.Thread(target=pump, name="mlx-dspark-job-pump", daemon=True).start()
-        try:
-            self.first = await self._next()
-        except BaseException:
-            self.close()
-            raise
 
-    async def _next(self) -> Any:
+    async def _next(self, engine_only: bool = False) -> Any:
         while True:
             try:
                 event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
@@ -149,6 +265,10 @@ class Generation:
             except asyncio.TimeoutError:
                 if self.request is not None and await self.request.is_disconnected():
                     raise ClientGone() from None
+                now = time.monotonic()
+                if not engine_only and self.job.phase == "queued" and now - self._last_ping >= QUEUED_PING_S:
+                    self._last_ping = now
+                    return Waiting(self.bridge.engine.queue_position(self.job))
         if isinstance(event, EngineError):
             raise from_engine_error(event)
         if isinstance(event, BaseException):
@@ -159,8 +279,10 @@ class Generation:
 
     async def events(self) -> AsyncIterator[Any]:
         try:
-            event = self.first
+            event = self.first if self.first is not None else await self._next()
             while True:
+                if isinstance(event, Tokens):
+                    self.sent_output = True
                 yield event
                 if isinstance(event, Done):
                     return
@@ -169,10 +291,16 @@ class Generation:
             self.close()
 
     def close(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self.bridge.metrics.in_flight -= 1
-            if self.done is None:
+        if self.closed:
+            return
+        self.closed = True
+        self.bridge.metrics.in_flight -= 1
+        if self.bridge.live.get(self.key) is self:
+            del self.bridge.live[self.key]
+        if self.done is None:
+            if self.key and not self.sent_output and self.job.phase != "done":
+                self.bridge.park(self)  # the client may send it again (a timeout and retry)
+            else:
                 self.job.cancel()
 
 
@@ -212,6 +340,13 @@ def sse(event: str | None, data: Any) -> str:
 
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+def sse_comment(info: dict | None) -> str:
+    """A keep-alive the SDKs skip; `info` (queue position, prefill progress) for whoever reads raw SSE."""
+    import json
+
+    return f": mlx_dspark {json.dumps(info, separators=(',', ':'))}\n\n" if info else ": ping\n\n"
 
 
 class Heartbeat:

@@ -3,13 +3,57 @@
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import anyio
 
 
 class BackendError(Exception):
     """Generation failed (server down, bad reply, engine refused): a message for the agent."""
+
+
+class CallJobs:
+    """The engine jobs one MCP tool call started, cancelled with the call."""
+
+    def __init__(self):
+        self.jobs: list = []
+        self.cancelled = False
+        self.lock = threading.Lock()
+
+    def add(self, job) -> None:
+        with self.lock:
+            self.jobs.append(job)
+            if self.cancelled:
+                job.cancel()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            for job in self.jobs:
+                job.cancel()
+
+
+_CALL: contextvars.ContextVar[CallJobs | None] = contextvars.ContextVar("mlx_dspark_mcp_call", default=None)
+
+
+async def run_cancellable(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a tool's blocking work on a worker thread (the event loop serves everyone else
+    meanwhile); when the call is cancelled (MCP `notifications/cancelled`, a closed session)
+    its engine jobs are cancelled too, so the engine moves on to the next request."""
+    call = CallJobs()
+    token = _CALL.set(call)  # the worker thread runs in a copy of this context
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        call.cancel()
+        raise
+    finally:
+        _CALL.reset(token)
 
 
 @dataclass
@@ -81,7 +125,10 @@ class EngineBackend:
                 sampling=SamplingParams(temperature=temperature),
                 mode=self.mode,
             )
-            done = self.engine.submit(request).result()
+            job = self.engine.submit(request)  # the same queue and scheduler as the HTTP APIs
+            if (call := _CALL.get()) is not None:
+                call.add(job)
+            done = job.result()
         except EngineError as e:
             raise BackendError(str(e)) from None
         d = done.stats.to_dict()

@@ -23,7 +23,7 @@ from pydantic import Field
 import prompts
 
 from .edits import Edit, GarbledOutput, check_rename, new_text_from_reply
-from .mcp_backends import BackendError
+from .mcp_backends import BackendError, run_cancellable
 from .workspace import Workspace, WorkspaceError
 
 STATUS_URI = "dspark://status"
@@ -48,35 +48,35 @@ def build_server(backend, workspace: Workspace, name: str = "mlx-dspark") -> MCP
     edit_hint = ToolAnnotations(destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 
     @server.tool(annotations=edit_hint)
-    def rewrite_file(path: PathArg, instruction: Annotated[str, Field(description="How to rewrite the file.")],
+    async def rewrite_file(path: PathArg, instruction: Annotated[str, Field(description="How to rewrite the file.")],
                      apply: ApplyArg = False, return_text: ReturnTextArg = False) -> CallToolResult:
         """Have the local model rewrite a whole file as instructed (refactors, restyling, porting,
         adding types or docstrings throughout). Returns a unified diff plus engine stats (tokens,
         tokens/s, draft acceptance). Nothing is written unless apply=true."""
-        return tools.file_task("rewrite_file", path, apply, return_text, instruction=instruction)
+        return await run_cancellable(tools.file_task, "rewrite_file", path, apply, return_text, instruction=instruction)
 
     @server.tool(annotations=edit_hint)
-    def edit_file(path: PathArg, instruction: Annotated[str, Field(description="The targeted change, in words.")],
+    async def edit_file(path: PathArg, instruction: Annotated[str, Field(description="The targeted change, in words.")],
                   apply: ApplyArg = False, return_text: ReturnTextArg = False) -> CallToolResult:
         """Have the local model make one targeted change in a file (fix a line, change a value,
         add a parameter). Returns a unified diff plus engine stats. Nothing is written unless apply=true."""
-        return tools.file_task("edit_file", path, apply, return_text, instruction=instruction)
+        return await run_cancellable(tools.file_task, "edit_file", path, apply, return_text, instruction=instruction)
 
     @server.tool(annotations=edit_hint)
-    def rename_symbol(paths: Annotated[list[str], Field(description="Files to rename in (relative to the workspace root).", min_length=1)],
+    async def rename_symbol(paths: Annotated[list[str], Field(description="Files to rename in (relative to the workspace root).", min_length=1)],
                       old: Annotated[str, Field(description="Current name of the symbol.", min_length=1)],
                       new: Annotated[str, Field(description="New name of the symbol.", min_length=1)],
                       apply: ApplyArg = False, return_text: ReturnTextArg = False) -> CallToolResult:
         """Rename a symbol (function, class, variable) in each of the given files with the local
         model. Returns one unified diff for all files plus engine stats. With apply=true, files are
         written only if every file's result is sound (all or nothing)."""
-        return tools.rename(paths, old, new, apply, return_text)
+        return await run_cancellable(tools.rename, paths, old, new, apply, return_text)
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
-    def generate(prompt: Annotated[str, Field(description="The user message for the local model.")],
+    async def generate(prompt: Annotated[str, Field(description="The user message for the local model.")],
                  max_tokens: Annotated[int, Field(description="Most tokens to generate.", ge=1, le=32768)] = 512) -> CallToolResult:
         """Send one prompt to the local model and return its reply and engine stats."""
-        return tools.generate(prompt, max_tokens)
+        return await run_cancellable(tools.generate, prompt, max_tokens)
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     def status() -> CallToolResult:

@@ -62,11 +62,17 @@ class Metrics:
             c["drafted_tokens"] += stats.drafted_tokens
             c["accepted_tokens"] += stats.accepted_tokens
             c["generations"] += 1
+            c["wall_seconds"] += stats.wall_s
             self.ttft.observe(stats.ttft_s)
             if stats.generated_tokens > 1 and stats.decode_s > 0:
                 self.decode.observe(stats.decode_tok_s)
             if stats.rounds:
                 self.accepted.observe(stats.mean_accepted)
+
+    def mean_wall_s(self) -> float:
+        with self._lock:
+            n = self.counters["generations"]
+            return self.counters["wall_seconds"] / n if n else 0.0
 
     def render(self) -> str:
         p = "mlx_dspark"
@@ -103,3 +109,21 @@ class Metrics:
             ):
                 lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} histogram", *hist.lines(f"{p}_{name}")]
         return "\n".join(lines) + "\n"
+
+
+def load_lines(load: dict) -> str:
+    """The engine's load (Engine.load plus the bridge's queue bound) as gauges."""
+    p = "mlx_dspark"
+    lines = []
+    for name, value, help_ in (
+        ("queue_depth", load["queued"], "Requests waiting for the engine."),
+        ("max_queue", load["max_queue"], "Waiting requests past which new ones are refused."),
+        ("running_sequences", load["running"], "Sequences the engine is working on."),
+        ("max_batch", load["max_batch"], "Sequences the engine runs at once."),
+    ):
+        lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} gauge", f"{p}_{name} {value}"]
+    lines += [f"# HELP {p}_sequences Sequences by phase.", f"# TYPE {p}_sequences gauge"]
+    for phase in ("queued", "prefill", "decode"):
+        n = sum(1 for q in load["sequences"] if q["phase"] == phase)
+        lines.append(f'{p}_sequences{{phase="{phase}"}} {n}')
+    return "\n".join(lines) + "\n"

@@ -10,12 +10,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import Done, EngineError, PrefillProgress, Tokens
+from engine import Done, EngineError
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
-from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
-from .tool_calls import OutputParser, Segment, parse_text
+from .job_stream import Bridge, EventStream, read_json, sse, sse_comment
+from .stream_driver import PlainText, Wire, collect_text, cut_short, drive, whole_reply
+from .tool_stream import CallArgs, CallStart, Reasoning, Text
 
 FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled": "stop"}
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -95,16 +96,32 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
     if not messages:
         raise bad_request("messages: at least one message is required", param="messages")
     tools = convert_tools(body.get("tools"))
-    choice = get(body, "tool_choice", (str, dict), None)
-    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-        raise bad_request("tool_choice: expected 'none', 'auto', 'required' or an object", param="tool_choice")
-    parse_tools = choice != "none"
+    parse_tools, forced = tool_choice(body)
     template_kwargs = {}
     if isinstance(body.get("chat_template_kwargs"), dict):  # vLLM/mlx-lm extension, e.g. enable_thinking
         template_kwargs.update(body["chat_template_kwargs"])
     return ChatRequest(messages=convert_messages(messages), tools=tools if parse_tools else None,
-                       parse_tools=parse_tools, template_kwargs=template_kwargs,
+                       parse_tools=parse_tools, template_kwargs=template_kwargs, forced_tool=forced,
                        **sampling_fields(body, default_max_tokens))
+
+
+def tool_choice(body: dict) -> tuple[bool, str | None]:
+    """OpenAI `tool_choice` (chat and Responses forms) -> (read calls?, forced tool: None, "" any, or a name)."""
+    choice = get(body, "tool_choice", (str, dict), None)
+    if choice is None or choice == "auto":
+        return True, None
+    if choice == "none":
+        return False, None
+    if choice == "required":
+        return True, ""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice  # chat / Responses
+        if isinstance(fn.get("name"), str):
+            return True, fn["name"]
+    if isinstance(choice, dict) and choice.get("type") in ("auto", "none", "required"):
+        return tool_choice({"tool_choice": choice["type"]})
+    raise bad_request("tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                      "{'name': ...}}", param="tool_choice")
 
 
 def _id(prefix: str) -> str:
@@ -130,83 +147,107 @@ async def chat_completions(request: Request):
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
-    thinking = bridge.starts_thinking(ids)
+    parser = bridge.parser(req, gen)
     if req.stream:
-        parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
-        return EventStream(stream_chat(gen, ids, model, parser, include_usage), gen)
-    text = await collect(gen)
-    segs = parse_text(text, bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
-    message: dict = {"role": "assistant", "content": "".join(s.text for s in segs if s.kind == "text") or None}
-    reasoning = "".join(s.text for s in segs if s.kind == "thinking")
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    calls = [s.call for s in segs if s.kind == "tool_call"]
-    if calls:
+        return EventStream(drive(gen, parser, ChatWire(len(ids), model, include_usage, parser, req.notes)), gen)
+    text = await collect_text(gen)
+    done = gen.done
+    reply = whole_reply(parser, text, done)
+    message: dict = {"role": "assistant", "content": reply.text or None}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if reply.calls:
         message["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
+                                  "function": {"name": c.name, "arguments": c.arguments_json}} for c in reply.calls]
     elif message["content"] is None:
         message["content"] = ""
-    done = gen.done
     return JSONResponse({
         "id": _id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": "tool_calls" if calls else FINISH.get(done.finish_reason, "stop")}],
-        "usage": usage(len(ids), done), "mlx_dspark": done.stats.to_dict(),
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(done, reply.calls)}],
+        "usage": usage(len(ids), done), "mlx_dspark": _extras(done, req.notes + parser.notes),
     })
 
 
-async def collect(gen: Generation) -> str:
-    text = ""
-    async for event in gen.events():
-        if isinstance(event, Tokens):
-            text += event.text
-    return text
+def _finish(done: Done, has_calls: Any) -> str:
+    if cut_short(done):  # also with a call being written: "length" tells the client it is cut
+        return "length"
+    return "tool_calls" if has_calls else FINISH.get(done.finish_reason, "stop")
 
 
-async def stream_chat(gen: Generation, ids: list[int], model: str, parser: OutputParser, include_usage: bool):
-    base = {"id": _id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-    n_calls = 0
+def _extras(done: Done, notes: list[str]) -> dict:
+    extras = done.stats.to_dict()
+    if notes:
+        extras["notes"] = notes
+    return extras
 
-    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
-        return sse(None, {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                               "finish_reason": finish}], **extra})
 
-    def emit(seg: Segment) -> str:
-        nonlocal n_calls
-        if seg.kind == "text":
-            return chunk({"content": seg.text})
-        if seg.kind == "thinking":
-            return chunk({"reasoning_content": seg.text})
-        n_calls += 1
-        c = seg.call
-        return chunk({"tool_calls": [{"index": n_calls - 1, "id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments_json}}]})
+class ChatWire(Wire):
+    """Chat completion chunks; keep-alives are SSE comments (the SDKs skip them). A call's
+    first chunk has its index, id and name; the next ones add pieces of its arguments."""
 
-    yield chunk({"role": "assistant", "content": ""})
-    beat = Heartbeat()
-    try:
-        async for event in gen.events():
-            if isinstance(event, PrefillProgress):
-                yield ": prefill\n\n"  # an SSE comment: keeps proxies and clients from timing out
-            elif isinstance(event, Tokens):
-                segs = parser.feed(event.text)
-                for seg in segs:
-                    yield emit(seg)
-                if beat.due(bool(segs)):
-                    yield ": generating\n\n"
-    except ApiError as e:
-        yield sse(None, openai_body(e))
-        return
-    except ClientGone:
-        return
-    for seg in parser.finish():
-        yield emit(seg)
-    done = gen.done
-    finish = "tool_calls" if n_calls else FINISH.get(done.finish_reason, "stop")
-    yield chunk({}, finish, mlx_dspark=done.stats.to_dict())
-    if include_usage:
-        yield sse(None, {**base, "choices": [], "usage": usage(len(ids), done)})
-    yield "data: [DONE]\n\n"
+    def __init__(self, n_prompt: int, model: str, include_usage: bool, parser: Any = None,
+                 notes: list[str] | None = None):
+        self.n_prompt, self.include_usage = n_prompt, include_usage
+        self.parser, self.notes = parser, notes or []
+        self.base = {"id": _id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": model}
+
+    def _chunk(self, delta: dict, finish: str | None = None, **extra: Any) -> str:
+        return sse(None, {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                    "finish_reason": finish}], **extra})
+
+    def opening(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def ping(self, info: dict | None) -> list[str]:
+        return [sse_comment(info)]
+
+    def segment(self, event) -> list[str]:
+        if isinstance(event, Text):
+            return [self._chunk({"content": event.text})]
+        if isinstance(event, Reasoning):
+            return [self._chunk({"reasoning_content": event.text})]
+        if isinstance(event, CallStart):
+            c = event.call
+            return [self._chunk({"tool_calls": [{"index": c.index, "id": c.id, "type": "function",
+                                                 "function": {"name": c.name, "arguments": ""}}]})]
+        if isinstance(event, CallArgs):
+            return [self._chunk({"tool_calls": [{"index": event.call.index,
+                                                 "function": {"arguments": event.text}}]})]
+        return []
+
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        notes = self.notes + (self.parser.notes if self.parser is not None else [])
+        out = [self._chunk({}, _finish(done, has_calls), mlx_dspark=_extras(done, notes))]
+        if self.include_usage:
+            out.append(sse(None, {**self.base, "choices": [], "usage": usage(self.n_prompt, done)}))
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, e: ApiError) -> list[str]:
+        return [sse(None, openai_body(e))]
+
+
+class CompletionWire(ChatWire):
+    """Legacy completion chunks: the same stream with `text` instead of a delta."""
+
+    def __init__(self, n_prompt: int, base: dict, include_usage: bool):
+        self.n_prompt, self.include_usage, self.base = n_prompt, include_usage, base
+
+    def _chunk(self, text: str, finish: str | None = None, **extra: Any) -> str:
+        return sse(None, {**self.base, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                    "finish_reason": finish}], **extra})
+
+    def opening(self) -> list[str]:
+        return []
+
+    def segment(self, event) -> list[str]:
+        return [self._chunk(event.text)]
+
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        out = [self._chunk("", FINISH.get(done.finish_reason, "stop"), mlx_dspark=done.stats.to_dict())]
+        if self.include_usage:
+            out.append(sse(None, {**self.base, "choices": [], "usage": usage(self.n_prompt, done)}))
+        return out + ["data: [DONE]\n\n"]
 
 
 def parse_completion(body: dict, default_max_tokens: int) -> tuple[ChatRequest, Any]:
@@ -236,34 +277,12 @@ async def completions(request: Request):
     model = req.model or bridge.model_name
     base = {"id": _id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model}
     if not req.stream:
-        text = await collect(gen)
+        text = await collect_text(gen)
         done = gen.done
         return JSONResponse({**base, "choices": [{"index": 0, "text": text, "logprobs": None,
                                                   "finish_reason": FINISH.get(done.finish_reason, "stop")}],
                              "usage": usage(len(ids), done), "mlx_dspark": done.stats.to_dict()})
-
-    async def events():
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
-            return sse(None, {**base, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                   "finish_reason": finish}], **extra})
-        try:
-            async for event in gen.events():
-                if isinstance(event, PrefillProgress):
-                    yield ": prefill\n\n"
-                elif isinstance(event, Tokens) and event.text:
-                    yield chunk(event.text)
-        except ApiError as e:
-            yield sse(None, openai_body(e))
-            return
-        except ClientGone:
-            return
-        done = gen.done
-        yield chunk("", FINISH.get(done.finish_reason, "stop"), mlx_dspark=done.stats.to_dict())
-        if include_usage:
-            yield sse(None, {**base, "choices": [], "usage": usage(len(ids), done)})
-        yield "data: [DONE]\n\n"
-
-    return EventStream(events(), gen)
+    return EventStream(drive(gen, PlainText(), CompletionWire(len(ids), base, include_usage)), gen)
 
 
 def _model_card(bridge: Bridge) -> dict:

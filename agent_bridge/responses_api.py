@@ -14,12 +14,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import PrefillProgress, Tokens
+from engine import Done
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, text_of, tool_call
 from .http_errors import ApiError, bad_request, openai_body
-from .job_stream import Bridge, ClientGone, EventStream, Heartbeat, read_json, sse
-from .tool_calls import OutputParser, Segment
+from .job_stream import Bridge, EventStream, read_json, sse, sse_comment
+from .openai_api import _extras, tool_choice
+from .stream_driver import Wire, collect_text, drive, whole_reply
+from .tool_stream import CallArgs, CallEnd, CallStart, Text, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -91,12 +93,11 @@ def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
     messages = convert_input(get(body, "input", (str, list)), instructions)
     if not any(m["role"] != "system" for m in messages):
         raise bad_request("input: at least one item is required", param="input")
-    choice = get(body, "tool_choice", (str, dict), None)
-    parse_tools = choice != "none"
+    parse_tools, forced = tool_choice(body)
     tools = convert_tools(body.get("tools"))
     return ChatRequest(
         messages=messages, model=get(body, "model", (str,), "") or "",
-        tools=tools if parse_tools else None, parse_tools=parse_tools,
+        tools=tools if parse_tools else None, parse_tools=parse_tools, forced_tool=forced,
         max_tokens=get_int(body, "max_output_tokens", None, minimum=1, maximum=MAX_TOKENS_LIMIT) or default_max_tokens,
         temperature=get_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=get_number(body, "top_p", 1.0, 1e-9, 1.0),
@@ -108,16 +109,28 @@ def _id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def _item(seg: Segment) -> dict:
-    if seg.kind == "tool_call":
-        c = seg.call
-        return {"id": _id("fc_"), "type": "function_call", "status": "completed", "call_id": c.id,
-                "name": c.name, "arguments": c.arguments_json}
-    if seg.kind == "thinking":
+def _item(kind: str, text: str = "", call: ToolCall | None = None) -> dict:
+    """An output item: kind "call", "reasoning" or "text"."""
+    if kind == "call":
+        return {"id": _id("fc_"), "type": "function_call", "status": "completed", "call_id": call.id,
+                "name": call.name, "arguments": call.arguments_json}
+    if kind == "reasoning":
         return {"id": _id("rs_"), "type": "reasoning", "summary": [],
-                "content": [{"type": "reasoning_text", "text": seg.text}]}
+                "content": [{"type": "reasoning_text", "text": text}]}
     return {"id": _id("msg_"), "type": "message", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": seg.text, "annotations": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def finish_response(response: dict, done: Done, n_prompt: int, notes: list[str] | None = None) -> dict:
+    s = done.stats
+    response["status"] = "incomplete" if done.finish_reason == "length" else "completed"
+    if done.finish_reason == "length":
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    response["usage"] = {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": s.cached_tokens},
+                         "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                         "total_tokens": n_prompt + s.generated_tokens}
+    response["mlx_dspark"] = _extras(done, notes or [])
+    return response
 
 
 async def responses(request: Request):
@@ -126,8 +139,7 @@ async def responses(request: Request):
     req = parse_request(body, bridge.default_max_tokens)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
-    parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools,
-                          thinking=bridge.starts_thinking(ids), id_prefix="call_")
+    parser = bridge.parser(req, gen)
     response = {
         "id": _id("resp_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "model": req.model or bridge.model_name, "output": [], "error": None, "incomplete_details": None,
@@ -136,129 +148,98 @@ async def responses(request: Request):
         "tools": body.get("tools") or [], "temperature": req.temperature, "top_p": req.top_p,
         "store": False, "text": {"format": {"type": "text"}}, "usage": None, "metadata": {},
     }
-
-    def finish() -> None:
-        done = gen.done
-        s = done.stats
-        response["status"] = "incomplete" if done.finish_reason == "length" else "completed"
-        if done.finish_reason == "length":
-            response["incomplete_details"] = {"reason": "max_output_tokens"}
-        response["usage"] = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": s.cached_tokens},
-                             "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                             "total_tokens": len(ids) + s.generated_tokens}
-        response["mlx_dspark"] = s.to_dict()
-
-    if not req.stream:
-        text = ""
-        async for event in gen.events():
-            if isinstance(event, Tokens):
-                text += event.text
-        segs = parser.feed(text) + parser.finish()
-        merged: list[Segment] = []
-        for seg in segs:
-            if merged and seg.kind != "tool_call" and merged[-1].kind == seg.kind:
-                merged[-1].text += seg.text
-            else:
-                merged.append(seg)
-        response["output"] = [_item(s) for s in merged]
-        finish()
-        return JSONResponse(response)
-    return EventStream(stream(gen, parser, response, finish), gen)
+    if req.stream:
+        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids), parser, req.notes)), gen)
+    text = await collect_text(gen)
+    reply = whole_reply(parser, text, gen.done)
+    response["output"] = [_item(b.kind, b.text, b.call) for b in reply.blocks]
+    return JSONResponse(finish_response(response, gen.done, len(ids), req.notes + parser.notes))
 
 
-async def stream(gen, parser: OutputParser, response: dict, finish):
-    seq = 0
-    current: dict | None = None  # the open message or reasoning item
+class ResponsesWire(Wire):
+    """Responses API events. Output items are built whole when they close: the open item is only
+    its kind, id, index and text so far (nothing sent is changed afterwards)."""
 
-    def ev(kind: str, **data: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
+    def __init__(self, response: dict, n_prompt: int, parser: Any = None, notes: list[str] | None = None):
+        self.response, self.n_prompt = response, n_prompt
+        self.parser, self.notes = parser, notes or []
+        self.seq = 0
+        self.open: dict | None = None  # {"kind": "text"|"reasoning"|"call", "id", "index", "text", "call"}
 
-    def close() -> list[str]:
-        nonlocal current
-        if current is None:
+    def _ev(self, kind: str, **data: Any) -> str:
+        self.seq += 1
+        return sse(kind, {"type": kind, "sequence_number": self.seq - 1, **data})
+
+    def opening(self) -> list[str]:
+        return [self._ev("response.created", response=self.response),
+                self._ev("response.in_progress", response=self.response)]
+
+    def ping(self, info: dict | None) -> list[str]:
+        return [sse_comment(info)]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
             return []
-        item, current = current, None
-        idx = item.pop("_index")
-        item["status"] = "completed"
-        response["output"].append(item)
-        if item["type"] == "reasoning":
-            return [ev("response.output_item.done", output_index=idx, item=item)]
+        o, self.open = self.open, None
+        item = _item(o["kind"], o["text"], o["call"])
+        item["id"], item["status"] = o["id"], "completed"
+        self.response["output"].append(item)
+        idx = o["index"]
+        if o["kind"] == "reasoning":
+            return [self._ev("response.output_item.done", output_index=idx, item=item)]
+        if o["kind"] == "call":
+            return [self._ev("response.function_call_arguments.done", item_id=o["id"], output_index=idx,
+                             arguments=item["arguments"]),
+                    self._ev("response.output_item.done", output_index=idx, item=item)]
         part = item["content"][0]
-        return [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                   text=part["text"]),
-                ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
-                ev("response.output_item.done", output_index=idx, item=item)]
+        return [self._ev("response.output_text.done", item_id=o["id"], output_index=idx, content_index=0,
+                         text=o["text"]),
+                self._ev("response.content_part.done", item_id=o["id"], output_index=idx, content_index=0, part=part),
+                self._ev("response.output_item.done", output_index=idx, item=item)]
 
-    def emit(seg: Segment) -> list[str]:
-        nonlocal current
-        out: list[str] = []
-        idx = len(response["output"])
-        if seg.kind == "tool_call":
-            out += close()
-            idx = len(response["output"])
-            item = _item(seg)
-            args = item["arguments"]
-            out.append(ev("response.output_item.added", output_index=idx,
-                          item={**item, "status": "in_progress", "arguments": ""}))
-            out.append(ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args))
-            out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, arguments=args))
-            out.append(ev("response.output_item.done", output_index=idx, item=item))
-            response["output"].append(item)
-            return out
-        kind = "message" if seg.kind == "text" else "reasoning"
-        if current is None or current["type"] != kind:
-            out += close()
-            idx = len(response["output"])
-            current = _item(Segment(seg.kind, ""))
-            current["status"] = "in_progress"
-            shown = {k: v for k, v in current.items()}
-            if kind == "message":
-                shown["content"] = []
-            out.append(ev("response.output_item.added", output_index=idx, item=shown))
-            if kind == "message":
-                out.append(ev("response.content_part.added", item_id=current["id"], output_index=idx, content_index=0,
-                              part={"type": "output_text", "text": "", "annotations": []}))
-            current["_index"] = idx
-        idx = current["_index"]
-        current["content"][0]["text"] += seg.text
-        if kind == "message":
-            out.append(ev("response.output_text.delta", item_id=current["id"], output_index=idx, content_index=0,
-                          delta=seg.text))
-        else:
-            out.append(ev("response.reasoning_text.delta", item_id=current["id"], output_index=idx, content_index=0,
-                          delta=seg.text))
+    def _open(self, kind: str, call: ToolCall | None = None) -> list[str]:
+        out = self._close()
+        idx = len(self.response["output"])
+        shown = {**_item(kind, "", call), "status": "in_progress"}
+        if kind == "text":
+            shown["content"] = []
+        self.open = {"kind": kind, "id": shown["id"], "index": idx, "text": "", "call": call}
+        out.append(self._ev("response.output_item.added", output_index=idx, item=shown))
+        if kind == "text":
+            out.append(self._ev("response.content_part.added", item_id=shown["id"], output_index=idx,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         return out
 
-    yield ev("response.created", response=response)
-    yield ev("response.in_progress", response=response)
-    beat = Heartbeat()
-    try:
-        async for event in gen.events():
-            if isinstance(event, PrefillProgress):
-                yield ": prefill\n\n"
-            elif isinstance(event, Tokens):
-                segs = parser.feed(event.text)
-                for seg in segs:
-                    for line in emit(seg):
-                        yield line
-                if beat.due(bool(segs)):
-                    yield ": generating\n\n"
-    except ApiError as e:
-        response["status"] = "failed"
-        response["error"] = {"code": openai_body(e)["error"]["code"] or "server_error", "message": e.message}
-        yield ev("response.failed", response=response)
-        return
-    except ClientGone:
-        return
-    for seg in parser.finish():
-        for line in emit(seg):
-            yield line
-    for line in close():
-        yield line
-    finish()
-    yield ev("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
+    def segment(self, event) -> list[str]:
+        out: list[str] = []
+        if isinstance(event, CallStart):
+            return self._open("call", event.call)
+        if isinstance(event, CallArgs):
+            o = self.open
+            return [self._ev("response.function_call_arguments.delta", item_id=o["id"], output_index=o["index"],
+                             delta=event.text)]
+        if isinstance(event, CallEnd):
+            return self._close()
+        kind = "text" if isinstance(event, Text) else "reasoning"
+        if self.open is None or self.open["kind"] != kind:
+            out += self._open(kind)
+        o = self.open
+        o["text"] += event.text
+        delta = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
+        out.append(self._ev(delta, item_id=o["id"], output_index=o["index"], content_index=0, delta=event.text))
+        return out
+
+    def closing(self, done: Done, has_calls: bool) -> list[str]:
+        out = self._close()
+        notes = self.notes + (self.parser.notes if self.parser is not None else [])
+        finish_response(self.response, done, self.n_prompt, notes)
+        kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
+        return out + [self._ev(kind, response=self.response)]
+
+    def error(self, e: ApiError) -> list[str]:
+        self.response["status"] = "failed"
+        self.response["error"] = {"code": openai_body(e)["error"]["code"] or "server_error", "message": e.message}
+        return [self._ev("response.failed", response=self.response)]
 
 
 routes = [Route("/v1/responses", responses, methods=["POST"])]

