@@ -27,6 +27,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
 
 
+def add_max_edit_hunks(parser: argparse.ArgumentParser) -> None:
+    from agent_bridge.edits import DEFAULT_MAX_EDIT_HUNKS
+
+    parser.add_argument("--max-edit-hunks", type=int, default=DEFAULT_MAX_EDIT_HUNKS, metavar="N",
+                        help="MCP edit_file writes a change of at most N diff hunks; a larger one is "
+                             f"returned as a proposal (default {DEFAULT_MAX_EDIT_HUNKS})")
+
+
 def parse_max_draft(value: str | None) -> int | str | None:
     from agent_bridge.cli import CommandError
 

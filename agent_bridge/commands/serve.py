@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_engine_args, engine_from_args
+from .common import add_engine_args, add_max_edit_hunks, engine_from_args
 
 
 def add_parser(sub) -> None:
@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
     p.add_argument("--root", default=None, help="workspace root for the MCP tools at /mcp (default: current directory)")
     p.add_argument("--no-mcp", action="store_true", help="don't serve MCP (streamable HTTP) at /mcp")
+    add_max_edit_hunks(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -32,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
     if args.default_max_tokens < 1:
         raise CommandError("--default-max-tokens must be >= 1")
+    if args.max_edit_hunks < 1:
+        raise CommandError("--max-edit-hunks must be >= 1")
     with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_mcp:
             from agent_bridge.mcp_server import http_mount
 
-            mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
+            mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host,
+                                                   max_edit_hunks=args.max_edit_hunks)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
               default_max_tokens=args.default_max_tokens, model_name=args.model_name,
               extra_routes=mcp_routes, lifespan=mcp_lifespan)
