@@ -172,7 +172,7 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False)
         temperature=get_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=get_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=get_int(body, "top_k", 0, minimum=0),
-        stop=get_stops(body, "stop_sequences"),
+        stop=get_stops(body, "stop_sequences", list_only=True),
         stream=get(body, "stream", (bool,), False),
         template_kwargs=template_kwargs,
         parse_tools=parse_tools,

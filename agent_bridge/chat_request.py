@@ -130,8 +130,9 @@ def get_number(body: dict, name: str, default: Any, minimum: float, maximum: flo
     return value
 
 
-def get_stops(body: dict, name: str) -> list[str]:
-    value = get(body, name, (str, list), None)
+def get_stops(body: dict, name: str, list_only: bool = False) -> list[str]:
+    """Stop strings: OpenAI's `stop` is a string or a list; Anthropic's `stop_sequences` a list."""
+    value = get(body, name, (list,) if list_only else (str, list), None)
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value

@@ -23,7 +23,7 @@ from pydantic import Field
 import prompts
 
 from .edits import DEFAULT_MAX_EDIT_HUNKS, Edit, GarbledOutput, check_rename, count_hunks, new_text_from_reply
-from .mcp_backends import BackendError
+from .mcp_backends import STAT_KEYS, BackendError
 from .workspace import Workspace, WorkspaceError
 
 STATUS_URI = "dspark://status"
@@ -180,7 +180,7 @@ class FileTools:
             planned.append((real, edit))
         if apply:  # every file checked, then staged and written together: all or nothing
             self._commit([(real, edit) for real, edit in planned if edit.changed])
-        return self._result("rename_symbol", [e for _, e in planned], merge_stats(stats_all), apply, return_text)
+        return self._result("rename_symbol", [e for _, e in planned], sum_stats(stats_all), apply, return_text)
 
     def generate(self, prompt: str, max_tokens: int) -> CallToolResult:
         gen = self._generate([{"role": "user", "content": prompt}], max_tokens)
@@ -274,21 +274,14 @@ class FileTools:
         return CallToolResult(content=[TextContent(type="text", text="\n".join(parts))], structured_content=structured)
 
 
-def merge_stats(all_stats: list[dict]) -> dict:
-    if not all_stats:
-        return {}
-    if len(all_stats) == 1:
-        return all_stats[0]
-    total: dict = {"files": len(all_stats), "mode": all_stats[-1].get("mode")}
-    for key in ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "decode_s", "wall_s"):
-        total[key] = sum((s.get(key) or 0) for s in all_stats)
-    if total["decode_s"]:
-        total["decode_tok_s"] = round(total["generated_tokens"] / total["decode_s"], 2)
-    if total["drafted_tokens"]:
-        total["acceptance_rate"] = round(total["accepted_tokens"] / total["drafted_tokens"], 4)
-    if total["rounds"]:
-        total["mean_accepted"] = round(total["generated_tokens"] / total["rounds"], 4)
-    return total
+def sum_stats(all_stats: list[dict]) -> dict:
+    """One result's stats for several files (engine.Stats.sum does the adding)."""
+    if len(all_stats) <= 1:
+        return all_stats[0] if all_stats else {}
+    from engine import Stats
+
+    total = Stats.sum(all_stats).to_dict()
+    return {"files": len(all_stats), **{k: total[k] for k in STAT_KEYS if k in total}}
 
 
 def format_stats(s: dict) -> str:

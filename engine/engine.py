@@ -109,6 +109,8 @@ class Engine:
 
         if kv_bits not in (None, *KV_BITS):
             raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a whole number >= 1, not {prefill_chunk!r}")
         self.kv_bits = kv_bits
         self.prefix_cache: PrefixCache | None = None
 
@@ -120,6 +122,7 @@ class Engine:
         self.target: Target | None = None
         self._work: queue.Queue = queue.Queue()
         self._closed = False
+        self._queue_lock = threading.Lock()  # "closed?" and the put are one step (else a late put hangs)
         self._stopped = threading.Event()
         loaded: Future = Future()
         self._thread = threading.Thread(
@@ -155,7 +158,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request)
-        self._enqueue(lambda: self._run(job), job)
+        self._enqueue(lambda: self._run(job))
         return job
 
     def generate(self, request: GenerationRequest) -> Iterator[Any]:
@@ -176,7 +179,7 @@ class Engine:
             except BaseException as e:  # handed to the caller
                 future.set_exception(e)
 
-        self._enqueue(work, future)
+        self._enqueue(work)
         return future.result()
 
     def encode(self, text: str) -> list[int]:
@@ -217,8 +220,9 @@ class Engine:
                     self.call(lambda t: self.prefix_cache.close())
                 except Exception as e:
                     logging.getLogger(__name__).warning("prefix cache: not saved on close: %s", e)
-            self._closed = True
-            self._work.put(None)
+            with self._queue_lock:
+                self._closed = True
+                self._work.put(None)
             self._stopped.wait(timeout=60)
 
     def __enter__(self) -> "Engine":
@@ -229,10 +233,11 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------
 
-    def _enqueue(self, work: Callable[[], None], owner: Any) -> None:
-        if self._closed:
-            raise EngineError("engine is closed")
-        self._work.put(work)
+    def _enqueue(self, work: Callable[[], None]) -> None:
+        with self._queue_lock:
+            if self._closed:
+                raise EngineError("engine is closed")
+            self._work.put(work)
 
     def _serve(self, loaded: Future, dtype: str | None) -> None:
         try:
@@ -264,6 +269,7 @@ class Engine:
         stats = Stats(queued_s=t0 - job.created)
         prompt = self._check_prompt(req)
         req.sampling.validate(target.vocab_size)
+        sampling = req.sampling.for_vocab(target.vocab_size)
         if req.max_tokens < 0:
             raise InvalidRequestError("max_tokens must be >= 0")
         mode = resolve_mode(req.mode or self.default_mode, target)
@@ -297,7 +303,7 @@ class Engine:
 
         controller = None
         if mode == "baseline":
-            rounds = plain_rounds(target, cache, prompt[-1], req.sampling)
+            rounds = plain_rounds(target, cache, prompt[-1], sampling)
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
             if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
@@ -307,7 +313,7 @@ class Engine:
                 raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
             else:
                 hard_cap = cap
-            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap, hard_cap=hard_cap)
+            rounds = speculative_rounds(target, cache, prompt[-1], drafter, sampling, cap, hard_cap=hard_cap)
 
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids

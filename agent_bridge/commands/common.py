@@ -71,6 +71,8 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
     for flag in ("prefix_cache_max_ram_mb", "prefix_cache_max_disk_mb"):
         if (getattr(args, flag, None) or 0) < 0:
             raise CommandError(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.prefill_chunk < 1:
+        raise CommandError(f"--prefill-chunk must be >= 1, not {args.prefill_chunk}")
     max_draft = parse_max_draft(args.max_draft)
     return Engine(
         args.model,

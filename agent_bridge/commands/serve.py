@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --api-key (anyone who can reach it may use the "
+                        "model and the MCP file tools)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="output cap when an OpenAI request sets none")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
@@ -25,12 +28,26 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: may resolve anywhere
+
+
 def run(args: argparse.Namespace) -> int:
     from agent_bridge.cli import CommandError
     from agent_bridge.server import serve
 
     if not 0 < args.port < 65536:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
+    if not is_loopback(args.host) and not args.api_key and not args.insecure:
+        raise CommandError(f"--host {args.host} is reachable from other machines, and /mcp serves tools that "
+                           "write files: set --api-key KEY (or --insecure to serve it open anyway)")
     if args.default_max_tokens < 1:
         raise CommandError("--default-max-tokens must be >= 1")
     if args.max_edit_hunks < 1:
