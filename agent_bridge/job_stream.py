@@ -27,7 +27,6 @@ from .metrics import Metrics
 from .tool_calls import Syntax, syntax_for
 
 DISCONNECT_POLL_S = 0.5
-_TOKENIZER_LOCK = threading.Lock()
 
 
 class ClientGone(Exception):
@@ -53,10 +52,8 @@ class Bridge:
         return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer))
 
     def _locked(self, fn, *args):
-        # Hugging Face fast tokenizers mutate their Rust state per call ("Already borrowed"
-        # when two threads encode at once): one tokenizer call at a time.
-        with _TOKENIZER_LOCK:
-            return fn(*args)
+        # engine.encode/render_chat/decode hold the engine's one tokenizer lock themselves
+        return fn(*args)
 
     async def prompt_ids(self, req: ChatRequest, check: bool = True) -> list[int]:
         """Render the chat (tokenizing a 15k-token prompt takes a while: off the loop)."""

@@ -123,6 +123,9 @@ class Engine:
         self._work: queue.Queue = queue.Queue()
         self._closed = False
         self._queue_lock = threading.Lock()  # "closed?" and the put are one step (else a late put hangs)
+        # The one way in to the tokenizer, for every thread: Hugging Face fast tokenizers fail
+        # ("Already borrowed") when two threads use one at once.
+        self.tokenizer_lock = threading.RLock()
         self._stopped = threading.Event()
         loaded: Future = Future()
         self._thread = threading.Thread(
@@ -183,13 +186,16 @@ class Engine:
         return future.result()
 
     def encode(self, text: str) -> list[int]:
-        return self.target.encode(text)
+        with self.tokenizer_lock:
+            return self.target.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.target.decode(ids)
+        with self.tokenizer_lock:
+            return self.target.decode(ids)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
-        return render_chat(self.tokenizer, messages, tools=tools, **kwargs)
+        with self.tokenizer_lock:
+            return render_chat(self.tokenizer, messages, tools=tools, **kwargs)
 
     def add_corpus(self, token_ids: list[int]) -> None:
         """Remember a sequence (a file an agent read, say) for lookup drafting in later requests."""
@@ -337,7 +343,8 @@ class Engine:
                     break
                 out.append(tok)
                 new_ids.append(tok)
-                delta, stopped = assembler.add(tok)
+                with self.tokenizer_lock:
+                    delta, stopped = assembler.add(tok)
                 text += delta
                 if stopped:
                     finish = "stop_string"
@@ -350,7 +357,8 @@ class Engine:
             if new_ids or text:
                 job.emit(Tokens(new_ids, text))
         rounds.close()
-        tail = assembler.finish()
+        with self.tokenizer_lock:
+            tail = assembler.finish()
         if tail:
             job.emit(Tokens([], tail))
         now = time.perf_counter()
