@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 from typing import Any, Callable, Sequence
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -52,7 +53,7 @@ async def corpus(request: Request):
     if len(text) > MAX_CORPUS_CHARS:
         raise ApiError(413, f"text is {len(text)} characters; the limit is {MAX_CORPUS_CHARS}")
     ids = await bridge.encode(text)
-    bridge.engine.add_corpus(ids)
+    await anyio.to_thread.run_sync(bridge.engine.add_corpus, ids, path)  # indexing takes a while: off the loop
     return JSONResponse({"ok": True, "path": path, "tokens": len(ids)})
 
 

@@ -8,6 +8,7 @@ prefill chunks or decode rounds.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import queue
 import threading
@@ -24,6 +25,7 @@ from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
+from .lookup import TokenIndex
 from .modes import attach_drafter, make_drafter, resolve_mode
 from .prefix_cache import PrefixCache, cache_identity
 from .sampling import SamplingParams
@@ -44,7 +46,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     mode: str | None = None  # None: the engine's default
     max_draft: int | str | None = None  # a cap, "auto", or None: the engine's default
-    corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from
+    corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from (this request only)
 
 
 class Job:
@@ -118,7 +120,9 @@ class Engine:
         self.default_mode = mode
         self.max_draft = max_draft
         self.prefill_chunk = prefill_chunk
-        self.corpus: collections.deque[list[int]] = collections.deque(maxlen=MAX_ENGINE_CORPUS_DOCS)
+        # documents to draft from (files agents read), indexed once on arrival, one per path
+        self.corpus: collections.OrderedDict[str, TokenIndex] = collections.OrderedDict()
+        self._corpus_lock = threading.Lock()
         self.target: Target | None = None
         self._work: queue.Queue = queue.Queue()
         self._closed = False
@@ -197,10 +201,20 @@ class Engine:
         with self.tokenizer_lock:
             return render_chat(self.tokenizer, messages, tools=tools, **kwargs)
 
-    def add_corpus(self, token_ids: list[int]) -> None:
-        """Remember a sequence (a file an agent read, say) for lookup drafting in later requests."""
-        if len(token_ids) > 1:
-            self.corpus.append(list(token_ids))
+    def add_corpus(self, token_ids: list[int], path: str | None = None) -> None:
+        """Remember a sequence (a file an agent read, say) for lookup drafting in later requests.
+
+        It is indexed here, once; a later text for the same `path` replaces it (an edited
+        file). Without a path, identical texts are one document. The oldest go past 64."""
+        if len(token_ids) < 2:
+            return
+        key = path if path is not None else "sha256:" + hashlib.sha256(repr(list(token_ids)).encode()).hexdigest()
+        index = TokenIndex(list(token_ids))
+        with self._corpus_lock:
+            self.corpus.pop(key, None)
+            self.corpus[key] = index
+            while len(self.corpus) > MAX_ENGINE_CORPUS_DOCS:
+                self.corpus.popitem(last=False)
 
     def info(self) -> dict:
         return {
@@ -287,7 +301,9 @@ class Engine:
         cache, cached = self._acquire_cache(prompt)
         stats.cached_tokens = cached
         job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
-        drafter = None if mode == "baseline" else make_drafter(mode, target, [*self.corpus, *req.corpus])
+        with self._corpus_lock:
+            corpus = [*self.corpus.values(), *req.corpus]
+        drafter = None if mode == "baseline" else make_drafter(mode, target, corpus)
         if drafter is not None:
             drafter.start(prompt)
             if not target.can_rollback(cache):
