@@ -194,7 +194,7 @@ async def read_json(request: Request, max_bytes: int | None = None) -> dict:
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))  # JSON over HTTP is UTF-8 (RFC 8259): no guessing
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:

@@ -28,6 +28,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 4096
 OPEN_PATHS = ("/", "/health")  # reachable without the API key
+MAX_HEADER_BYTES = 64 * 1024  # all request headers together; more is no client we serve
 MAX_CORPUS_CHARS = 2_000_000
 
 
@@ -117,6 +118,11 @@ class GuardMiddleware:
             await send(message)
 
         try:
+            header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", []))
+            if header_bytes > MAX_HEADER_BYTES:
+                response = error_response(ApiError(431, f"request headers are {header_bytes} bytes; "
+                                                   f"the limit is {MAX_HEADER_BYTES}"), path)
+                return await response(scope, receive, send_wrapper)
             if not _origin_allowed(scope):
                 response = error_response(ApiError(403, "cross-origin requests from web pages are refused"), path)
                 return await response(scope, receive, send_wrapper)
