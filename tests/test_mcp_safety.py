@@ -75,33 +75,7 @@ def test_count_hunks():
 
 # -- the tools end to end, on a real engine whose tiny model was trained on these exact chats --
 
-SPREAD = "".join(f"v{i} = {i}\n" for i in range(40))
-SPREAD_EDITED = SPREAD.replace("v1 = 1\n", "v1 = 100\n").replace("v12 = 12\n", "v12 = 100\n") \
-    .replace("v24 = 24\n", "v24 = 100\n").replace("v36 = 36\n", "v36 = 100\n")
-SPREAD_INSTRUCTION = "set v1, v12, v24 and v36 to 100"
-ONE = "def add(a, b):\n    return a + b\n"
-ONE_BAD = "def plus(a, b):\n    return a - b\n"  # renamed, and the body changed: not a rename
-FILES = {"a.py": "from m import add\nadd(1, 2)\n", "b.py": "import m\nm.add(3, 4)\n",
-         "c.py": "from m import add as add\nprint(add)\n"}
-
-
-def renamed(text: str) -> str:
-    return text.replace("add", "plus")
-
-
-@pytest.fixture(scope="module")
-def safety_engine(tmp_path_factory):
-    from engine import Engine
-    from forced_model import train_forced_model
-
-    from agent_bridge.mcp_server import task_messages
-
-    chats = [(task_messages("edit_file", "spread.py", SPREAD, instruction=SPREAD_INSTRUCTION), prompts.fence(SPREAD_EDITED)),
-             (task_messages("rename_symbol", "one.py", ONE, old="add", new="plus"), prompts.fence(ONE_BAD))]
-    chats += [(task_messages("rename_symbol", p, t, old="add", new="plus"), prompts.fence(renamed(t))) for p, t in FILES.items()]
-    engine = Engine(str(train_forced_model(tmp_path_factory.mktemp("safety"), chats)), prefix_cache=False)
-    yield engine
-    engine.close()
+from mcp_cases import FILES, ONE, SPREAD, SPREAD_EDITED, SPREAD_INSTRUCTION, renamed
 
 
 def call(server, tool: str, args: dict):
