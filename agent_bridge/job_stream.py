@@ -100,6 +100,7 @@ class Generation:
         self.first: Any = None
         self.done: Done | None = None
         self._finished = False
+        self._polled = time.monotonic()  # when the client's connection was last checked
 
     @property
     def cached_tokens(self) -> int:
@@ -142,10 +143,17 @@ class Generation:
         while True:
             try:
                 event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                break
             except asyncio.TimeoutError:
-                if self.request is not None and await self.request.is_disconnected():
+                event = None
+            # polled by the clock, not only when idle: prefill progress arrives every chunk, and
+            # a client that left during a long prefill must free the engine all the same
+            now = time.monotonic()
+            if self.request is not None and now - self._polled >= DISCONNECT_POLL_S:
+                self._polled = now
+                if await self.request.is_disconnected():
                     raise ClientGone() from None
+            if event is not None:
+                break
         if isinstance(event, EngineError):
             raise from_engine_error(event)
         if isinstance(event, BaseException):
