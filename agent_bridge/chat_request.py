@@ -45,6 +45,8 @@ class ChatRequest:
     def __post_init__(self) -> None:
         if not self.tools:  # a model's tool-call syntax is only read when the client offered tools
             self.parse_tools = False
+        for i, tool in enumerate(self.tools or []):
+            check_tool_schema(tool["function"], f"tools[{i}]")
         if self.forced_tool is not None:
             names = [t["function"]["name"] for t in self.tools or []]
             if not names:
@@ -109,6 +111,23 @@ def tool_call(call_id: str, name: str, arguments: Any) -> dict:
 
 # -- field checks: each raises a 400 naming the field ----------------------------------
 
+def check_tool_schema(fn: dict, where: str) -> None:
+    """A tool's description and parameters (a JSON Schema object), whichever API it came from."""
+    if not isinstance(fn.get("description", ""), (str, type(None))):
+        raise bad_request(f"{where}.description: expected a string", param="tools")
+    schema = fn.get("parameters")
+    if schema is None:
+        return
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}: the parameters schema must be a JSON object, got {type(schema).__name__}",
+                          param="tools")
+    kind = schema.get("type", "object")
+    if not (isinstance(kind, str) or (isinstance(kind, list) and all(isinstance(k, str) for k in kind))):
+        raise bad_request(f"{where}: the schema's type must be a string", param="tools")
+    if not isinstance(schema.get("properties", {}), dict) or not isinstance(schema.get("required", []), list):
+        raise bad_request(f"{where}: the schema's properties must be an object and required an array", param="tools")
+
+
 def _type_name(kinds: tuple) -> str:
     names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
              list: "an array", dict: "an object", type(None): "null"}
@@ -152,8 +171,9 @@ def get_number(body: dict, name: str, default: Any, minimum: float, maximum: flo
     return value
 
 
-def get_stops(body: dict, name: str) -> list[str]:
-    value = get(body, name, (str, list), None)
+def get_stops(body: dict, name: str, list_only: bool = False) -> list[str]:
+    """Stop strings: OpenAI's `stop` is a string or a list; Anthropic's `stop_sequences` a list."""
+    value = get(body, name, (list,) if list_only else (str, list), None)
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value

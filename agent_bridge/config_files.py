@@ -6,6 +6,8 @@ timestamped backup next to it before it is replaced (atomically).
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import re
 import shutil
@@ -27,31 +29,88 @@ class ConfigError(Exception):
 
 
 # -- merging -------------------------------------------------------------------------
+# A merge is a list of edits ("add" a key, "append" to a list, "set" a value), planned on
+# the parsed data and then applied to the document itself (tomlkit, ruamel.yaml, or the
+# JSONC span editor), so that the user's comments and layout survive.
+
+
+def plan(base: Any, ours: Any, path: tuple = (), list_key: str = "name") -> list[tuple]:
+    """The edits that merge `ours` into `base`: dicts recursively, our scalar values win;
+    lists of scalars as sets (the user's items kept, in order, ours appended); lists of
+    dicts matched on `list_key` (YAML configs)."""
+    if isinstance(base, dict) and isinstance(ours, dict):
+        ops: list[tuple] = []
+        for k, v in ours.items():
+            ops += plan(base[k], v, path + (k,), list_key) if k in base else [("add", path, k, v)]
+        return ops
+    if isinstance(base, list) and isinstance(ours, list):
+        ops, seen = [], list(base)
+        for item in ours:
+            key = item.get(list_key) if isinstance(item, dict) else None
+            idx = next((i for i, x in enumerate(base) if isinstance(x, dict) and x.get(list_key) == key), None) \
+                if key is not None else None
+            if idx is not None:
+                ops += plan(base[idx], item, path + (idx,), list_key)
+            elif item not in seen:
+                ops.append(("append", path, None, item))
+                seen.append(item)
+        return ops
+    return [] if base == ours else [("set", path[:-1], path[-1], ours)]
+
+
+def apply(doc: Any, ops: list[tuple]) -> Any:
+    """Apply planned edits to a mutable document (plain data, tomlkit or ruamel.yaml)."""
+    for op, path, key, value in ops:
+        node = doc
+        for k in path:
+            node = node[k]
+        if op == "append":
+            node.append(value)
+        else:
+            node[key] = value
+    return doc
 
 
 def merge(base: Any, ours: Any, list_key: str = "name") -> Any:
-    """`ours` merged into `base`: dicts recursively, our scalar values win; a list of dicts
-    keyed by `list_key` (YAML configs) gets our entries replaced in place or appended."""
-    if isinstance(base, dict) and isinstance(ours, dict):
-        out = dict(base)
-        for k, v in ours.items():
-            out[k] = merge(base[k], v, list_key) if k in base else v
-        return out
-    if isinstance(base, list) and isinstance(ours, list) and all(isinstance(x, dict) for x in ours):
-        out = list(base)
-        for item in ours:
-            key = item.get(list_key)
-            if key is None:  # no identity to match on: add it once
-                if item not in out:
-                    out.append(item)
-                continue
-            idx = next((i for i, x in enumerate(out) if isinstance(x, dict) and key is not None and x.get(list_key) == key), None)
-            if idx is None:
-                out.append(item)
+    """`ours` merged into a copy of `base` (see `plan`)."""
+    if not isinstance(base, (dict, list)):
+        return ours
+    return apply(copy.deepcopy(base), plan(base, ours, (), list_key))
+
+
+def edit_text(text: str, fmt: str, ops: list[tuple]) -> str:
+    """`text` with the planned edits made in place, everything else kept."""
+    if fmt in ("json", "jsonc"):
+        from . import jsonc_edit
+
+        for op, path, key, value in ops:
+            if op == "add":
+                text = jsonc_edit.add_member(text, list(path), key, value)
+            elif op == "append":
+                text = jsonc_edit.append_item(text, list(path), value)
             else:
-                out[idx] = merge(out[idx], item, list_key)
-        return out
-    return ours
+                text = jsonc_edit.replace_value(text, [*path, key], value)
+        return text
+    if fmt == "toml":
+        import tomlkit
+
+        return tomlkit.dumps(apply(tomlkit.parse(text), ops))
+    if fmt == "yaml":
+        yaml = _round_trip_yaml()
+        doc = apply(yaml.load(text), ops)
+        out = io.StringIO()
+        yaml.dump(doc, out)
+        return out.getvalue()
+    raise ValueError(f"unknown config format {fmt!r}")
+
+
+def _round_trip_yaml():
+    from ruamel.yaml import YAML
+
+    yaml = YAML(typ="rt")
+    yaml.preserve_quotes = True
+    yaml.width = 4096  # never re-wrap the user's long lines
+    return yaml
 
 
 # -- formats -------------------------------------------------------------------------
@@ -89,7 +148,10 @@ def dumps(data: Any, fmt: str) -> str:
 
 
 def strip_jsonc(text: str) -> str:
-    """JSON with // and /* */ comments and trailing commas (Zed, VS Code) -> plain JSON."""
+    """JSON with // and /* */ comments and trailing commas (Zed, VS Code) -> plain JSON.
+    String contents are copied untouched, commas inside them included."""
+    from .jsonc_edit import skip
+
     out, i, n = [], 0, len(text)
     while i < n:
         c = text[i]
@@ -99,16 +161,15 @@ def strip_jsonc(text: str) -> str:
                 j += 2 if text[j] == "\\" else 1
             out.append(text[i : j + 1])
             i = j + 1
-        elif text.startswith("//", i):
-            while i < n and text[i] != "\n":
-                i += 1
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            i = n if end < 0 else end + 2
+        elif text.startswith("//", i) or text.startswith("/*", i):
+            out.append(" ")
+            i = skip(text, i)
+        elif c == "," and text[skip(text, i + 1) : skip(text, i + 1) + 1] in ("}", "]"):
+            i += 1  # a trailing comma
         else:
             out.append(c)
             i += 1
-    return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
+    return "".join(out)
 
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -169,24 +230,36 @@ def _is_table_array(v: Any) -> bool:
 
 
 def merge_into_file(path: Path, ours: Any, fmt: str) -> Path | None:
-    """Merge `ours` into the config at `path` (created if missing). Returns the backup path."""
+    """Merge `ours` into the config at `path` (created if missing), keeping its comments and
+    layout; a symlink is written through. Returns the backup path (None for a new file).
+
+    Nothing is written unless the edited text reads back as exactly the merge."""
     path = Path(path)
-    backup = None
-    if path.exists():
-        text = path.read_text(encoding="utf-8")
-        current = loads(text, fmt, str(path))
-        if not isinstance(current, dict):
-            raise ConfigError(f"{path}: expected a {fmt} object/table at the top level")
-        merged = merge(current, ours)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        backup = path.with_name(f"{path.name}.bak-{stamp}")
-        n = 1
-        while backup.exists():  # never overwrite an earlier backup
-            backup = path.with_name(f"{path.name}.bak-{stamp}-{n}")
-            n += 1
-        shutil.copy2(path, backup)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged = ours
-    write_atomic(path, dumps(merged, fmt))
+    real = path.resolve() if path.is_symlink() else path  # a dotfile linked from a dotfiles repo
+    if not real.exists():
+        real.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(real, dumps(ours, fmt))
+        return None
+    text = real.read_text(encoding="utf-8")
+    current = loads(text, fmt, str(path))
+    if not isinstance(current, dict):
+        raise ConfigError(f"{path}: expected a {fmt} object/table at the top level")
+    ops = plan(current, ours)
+    if not ops:
+        return None  # already merged: nothing to write, nothing to back up
+    merged = apply(copy.deepcopy(current), ops)
+    try:
+        new_text = edit_text(text, fmt, ops) if text.strip() else dumps(merged, fmt)
+    except Exception as e:  # each editor has its own error types
+        raise ConfigError(f"{path}: cannot edit this {fmt} file in place: {e}") from None
+    if loads(new_text, fmt, str(path)) != merged:
+        raise ConfigError(f"{path}: the edited file would not read back as the merge")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    backup = path.with_name(f"{path.name}.bak-{stamp}")
+    n = 1
+    while backup.exists():  # never overwrite an earlier backup
+        backup = path.with_name(f"{path.name}.bak-{stamp}-{n}")
+        n += 1
+    shutil.copy2(real, backup)
+    write_atomic(real, new_text)
     return backup

@@ -21,6 +21,7 @@ _TYPES = {
     413: ("request_too_large", "invalid_request_error"),
     415: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
+    431: ("request_too_large", "invalid_request_error"),
     529: ("overloaded_error", "server_error"),
     499: ("api_error", "api_error"),
     500: ("api_error", "server_error"),

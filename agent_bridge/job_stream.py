@@ -40,7 +40,6 @@ DISCONNECT_POLL_S = 0.5
 QUEUED_PING_S = 2.0  # a queued stream hears its queue position this often
 TAKEOVER_GRACE_S = 10.0
 DEFAULT_MAX_QUEUE = 32
-_TOKENIZER_LOCK = threading.Lock()
 
 
 class ClientGone(Exception):
@@ -79,10 +78,8 @@ class Bridge:
         return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer), max_queue)
 
     def _locked(self, fn, *args):
-        # Hugging Face fast tokenizers mutate their Rust state per call ("Already borrowed"
-        # when two threads encode at once): one tokenizer call at a time.
-        with _TOKENIZER_LOCK:
-            return fn(*args)
+        # engine.encode/render_chat/decode hold the engine's one tokenizer lock themselves
+        return fn(*args)
 
     async def prompt_ids(self, req: ChatRequest, check: bool = True) -> list[int]:
         """Render the chat (tokenizing a 15k-token prompt takes a while: off the loop)."""
@@ -211,6 +208,7 @@ class Generation:
         self.sent_output = False  # Tokens handed to the client: from then on a retry starts afresh
         self.closed = False
         self._last_ping = 0.0
+        self._polled = time.monotonic()  # when the client's connection was last checked
 
     @property
     def cached_tokens(self) -> int:
@@ -261,14 +259,20 @@ class Generation:
         while True:
             try:
                 event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                break
             except asyncio.TimeoutError:
-                if self.request is not None and await self.request.is_disconnected():
+                event = None
+            # polled by the clock, not only when idle: prefill progress arrives every chunk, and
+            # a client that left during a long prefill must free the engine all the same
+            now = time.monotonic()
+            if self.request is not None and now - self._polled >= DISCONNECT_POLL_S:
+                self._polled = now
+                if await self.request.is_disconnected():
                     raise ClientGone() from None
-                now = time.monotonic()
-                if not engine_only and self.job.phase == "queued" and now - self._last_ping >= QUEUED_PING_S:
-                    self._last_ping = now
-                    return Waiting(self.bridge.engine.queue_position(self.job))
+            if event is not None:
+                break
+            if not engine_only and self.job.phase == "queued" and now - self._last_ping >= QUEUED_PING_S:
+                self._last_ping = now
+                return Waiting(self.bridge.engine.queue_position(self.job))
         if isinstance(event, EngineError):
             raise from_engine_error(event)
         if isinstance(event, BaseException):
@@ -325,7 +329,7 @@ async def read_json(request: Request, max_bytes: int | None = None) -> dict:
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))  # JSON over HTTP is UTF-8 (RFC 8259): no guessing
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:

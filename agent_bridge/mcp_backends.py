@@ -63,36 +63,28 @@ class Generation:
     stats: dict = field(default_factory=dict)  # tokens, tokens/s, acceptance, mode, ...
 
 
-@dataclass
-class Totals:
-    """What this MCP server has generated so far (for status())."""
+class Tally:
+    """What this MCP server has generated so far (for status()), summed by engine.Stats.sum."""
 
-    calls: int = 0
-    generated_tokens: int = 0
-    decode_s: float = 0.0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    last: dict = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self) -> None:
+        self.calls = 0
+        self.total: dict = {}
+        self.last: dict = {}
+        self.lock = threading.Lock()
 
-    def add(self, stats: dict) -> None:
+    def record(self, stats: dict) -> None:
+        from engine import Stats
+
         with self.lock:
             self.calls += 1
-            self.generated_tokens += int(stats.get("generated_tokens") or 0)
-            self.decode_s += float(stats.get("decode_s") or 0.0)
-            self.drafted_tokens += int(stats.get("drafted_tokens") or 0)
-            self.accepted_tokens += int(stats.get("accepted_tokens") or 0)
+            self.total = Stats.sum([self.total, stats]).to_dict()
             self.last = dict(stats)
 
     def to_dict(self) -> dict:
         with self.lock:
-            return {
-                "calls": self.calls,
-                "generated_tokens": self.generated_tokens,
-                "decode_tok_s": round(self.generated_tokens / self.decode_s, 2) if self.decode_s else 0.0,
-                "acceptance_rate": round(self.accepted_tokens / self.drafted_tokens, 4) if self.drafted_tokens else 0.0,
-                "last": self.last,
-            }
+            return {"calls": self.calls, "generated_tokens": self.total.get("generated_tokens", 0),
+                    "decode_tok_s": self.total.get("decode_tok_s", 0.0),
+                    "acceptance_rate": self.total.get("acceptance_rate", 0.0), "last": self.last}
 
 
 STAT_KEYS = ("mode", "prompt_tokens", "cached_tokens", "generated_tokens", "rounds", "drafted_tokens",
@@ -105,7 +97,7 @@ class EngineBackend:
     def __init__(self, engine, mode: str = "auto"):
         self.engine = engine
         self.mode = mode
-        self.totals = Totals()
+        self.totals = Tally()
 
     def count_tokens(self, text: str) -> int:
         return len(self.engine.encode(text))
@@ -133,7 +125,7 @@ class EngineBackend:
             raise BackendError(str(e)) from None
         d = done.stats.to_dict()
         stats = {k: d[k] for k in STAT_KEYS if k in d}
-        self.totals.add(stats)
+        self.totals.record(stats)
         return Generation(done.text, done.finish_reason, stats)
 
     def status(self) -> dict:
@@ -152,7 +144,7 @@ class HTTPBackend:
         headers = {"Authorization": f"Bearer {api_key or 'local'}"}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self.model = model
-        self.totals = Totals()
+        self.totals = Tally()
 
     def count_tokens(self, text: str) -> int:
         return len(text) // 3 + 1  # an estimate: the tokenizer lives in the server
@@ -211,7 +203,7 @@ class HTTPBackend:
         if "decode_tok_s" not in stats and stats.get("generated_tokens") and wall > 0:
             stats["decode_tok_s"] = round(stats["generated_tokens"] / wall, 2)  # end-to-end, prefill included
             stats.setdefault("decode_s", wall)
-        self.totals.add(stats)
+        self.totals.record(stats)
         return Generation(text, finish, stats)
 
     def status(self) -> dict:

@@ -22,8 +22,8 @@ from pydantic import Field
 
 import prompts
 
-from .edits import Edit, GarbledOutput, check_rename, new_text_from_reply
-from .mcp_backends import BackendError, run_cancellable
+from .edits import DEFAULT_MAX_EDIT_HUNKS, Edit, GarbledOutput, check_rename, count_hunks, new_text_from_reply
+from .mcp_backends import STAT_KEYS, BackendError, run_cancellable
 from .workspace import Workspace, WorkspaceError
 
 STATUS_URI = "dspark://status"
@@ -42,9 +42,10 @@ ApplyArg = Annotated[bool, Field(description="Write the result to disk (atomical
 ReturnTextArg = Annotated[bool, Field(description="Also return the complete new file text.")]
 
 
-def build_server(backend, workspace: Workspace, name: str = "mlx-dspark") -> MCPServer:
+def build_server(backend, workspace: Workspace, name: str = "mlx-dspark",
+                 max_edit_hunks: int = DEFAULT_MAX_EDIT_HUNKS) -> MCPServer:
     server = MCPServer(name, instructions=INSTRUCTIONS, log_level="WARNING")
-    tools = FileTools(backend, workspace)
+    tools = FileTools(backend, workspace, max_edit_hunks)
     edit_hint = ToolAnnotations(destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 
     @server.tool(annotations=edit_hint)
@@ -59,7 +60,8 @@ def build_server(backend, workspace: Workspace, name: str = "mlx-dspark") -> MCP
     async def edit_file(path: PathArg, instruction: Annotated[str, Field(description="The targeted change, in words.")],
                   apply: ApplyArg = False, return_text: ReturnTextArg = False) -> CallToolResult:
         """Have the local model make one targeted change in a file (fix a line, change a value,
-        add a parameter). Returns a unified diff plus engine stats. Nothing is written unless apply=true."""
+        add a parameter). Returns a unified diff plus engine stats. Nothing is written unless apply=true,
+        and a change spread over more than a few hunks is only proposed, never written."""
         return await run_cancellable(tools.file_task, "edit_file", path, apply, return_text, instruction=instruction)
 
     @server.tool(annotations=edit_hint)
@@ -101,7 +103,7 @@ def template_fields(name: str) -> list[str]:
 
 def template_prompt(name: str, workspace: Workspace) -> Prompt:
     """An MCP prompt for prompts/<name>.md; `code` may be left out and is then read from `path`."""
-    fields = list(dict.fromkeys(template_fields(name)))
+    fields = [f for f in dict.fromkeys(template_fields(name)) if f not in prompts.DERIVED]
     reads_file = "code" in fields and "path" in fields
 
     def render(**args: str) -> list[UserMessage]:
@@ -133,16 +135,22 @@ def task_messages(template: str, path: str, text: str, **fields: str) -> list[di
 
 
 class FileTools:
-    def __init__(self, backend, workspace: Workspace):
+    def __init__(self, backend, workspace: Workspace, max_edit_hunks: int = DEFAULT_MAX_EDIT_HUNKS):
         self.backend = backend
         self.workspace = workspace
+        self.max_edit_hunks = max_edit_hunks
 
     # -- the tools ------------------------------------------------------------------
 
     def file_task(self, template: str, path: str, apply: bool, return_text: bool, **fields: str) -> CallToolResult:
         real, edit, stats = self._propose(template, path, **fields)
+        if template == "edit_file" and (hunks := count_hunks(edit.old, edit.new)) > self.max_edit_hunks:
+            # a targeted edit that touches the whole file is more likely damage than the edit
+            edit.warnings.append(f"the change spans {hunks} hunks (more than {self.max_edit_hunks}): "
+                                 "returned as a proposal, not written; review it, or use rewrite_file")
+            apply = False
         if apply and edit.changed:
-            self._write(real, edit)
+            self._commit([(real, edit)])
         return self._result(template, [edit], stats, apply, return_text)
 
     def rename(self, paths: list[str], old: str, new: str, apply: bool, return_text: bool) -> CallToolResult:
@@ -164,17 +172,15 @@ class FileTools:
                                            [f"{old!r} does not occur in {self.workspace.relative(real)}"])))
                 continue
             real, edit, stats = self._propose("rename_symbol", p, old=old, new=new)
+            stats_all.append(stats)
             try:
                 check_rename(edit, old, new)
             except GarbledOutput as e:
-                raise ToolError(f"{edit.path}: the local model's output is garbled ({e}); nothing was written") from None
+                raise ToolError(f"{edit.path}: the local model's output is not a rename ({e}); nothing was written") from None
             planned.append((real, edit))
-            stats_all.append(stats)
-        if apply:  # every file checked before the first write: all or nothing
-            for real, edit in planned:
-                if edit.changed:
-                    self._write(real, edit)
-        return self._result("rename_symbol", [e for _, e in planned], merge_stats(stats_all), apply, return_text)
+        if apply:  # every file checked, then staged and written together: all or nothing
+            self._commit([(real, edit) for real, edit in planned if edit.changed])
+        return self._result("rename_symbol", [e for _, e in planned], sum_stats(stats_all), apply, return_text)
 
     def generate(self, prompt: str, max_tokens: int) -> CallToolResult:
         gen = self._generate([{"role": "user", "content": prompt}], max_tokens)
@@ -211,8 +217,10 @@ class FileTools:
             raise ToolError(f"local model: {e}") from None
 
     def _propose(self, template: str, path: str, **fields: str):
-        real, text = self._read(path)
+        real, on_disk = self._read(path)
         rel = self.workspace.relative(real)
+        crlf = "\r\n" in on_disk  # the model sees and writes LF; the file keeps its CRLF
+        text = on_disk.replace("\r\n", "\n") if crlf else on_disk
         messages = task_messages(template, rel, text, **fields)
         file_tokens = self.backend.count_tokens(text)
         max_tokens = int(file_tokens * 1.25) + REPLY_SLACK_TOKENS
@@ -221,22 +229,21 @@ class FileTools:
             raise ToolError(f"{rel}: too long for the local model's context window (only {max(room, 0)} tokens left for the reply)")
         gen = self._generate(messages, min(max_tokens, room))
         try:
-            new = new_text_from_reply(gen.text, gen.finish_reason, text)
+            new = new_text_from_reply(gen.text, gen.finish_reason, text, rel)
         except GarbledOutput as e:
             head = gen.text[:400]
             raise ToolError(f"{rel}: the local model's output is garbled ({e}); nothing was written.\n"
                             f"[{format_stats(gen.stats)}]\nreply began: {head!r}") from None
-        return real, Edit(rel, text, new), gen.stats
+        if crlf:
+            new = new.replace("\r\n", "\n").replace("\n", "\r\n")
+        return real, Edit(rel, on_disk, new), gen.stats
 
-    def _write(self, real, edit: Edit) -> None:
-        # the file may have changed while the model was generating: never overwrite that
-        _, now = self._read(str(real))
-        if now != edit.old:
-            raise ToolError(f"{edit.path} changed on disk while the local model was working; nothing was written")
+    def _commit(self, planned: list[tuple[Any, Edit]]) -> None:
+        # a file may have changed while the model was generating: never overwrite that
         try:
-            self.workspace.write_text(str(real), edit.new)
-        except (OSError, WorkspaceError) as e:
-            raise ToolError(f"{edit.path}: write failed ({e}); the file is unchanged") from None
+            self.workspace.commit([(str(real), edit.old, edit.new) for real, edit in planned])
+        except WorkspaceError as e:
+            raise ToolError(f"{e}; nothing was written") from None
 
     def _result(self, tool: str, edits: list[Edit], stats: dict, applied: bool, return_text: bool) -> CallToolResult:
         changed = [e for e in edits if e.changed]
@@ -267,21 +274,14 @@ class FileTools:
         return CallToolResult(content=[TextContent(type="text", text="\n".join(parts))], structured_content=structured)
 
 
-def merge_stats(all_stats: list[dict]) -> dict:
-    if not all_stats:
-        return {}
-    if len(all_stats) == 1:
-        return all_stats[0]
-    total: dict = {"files": len(all_stats), "mode": all_stats[-1].get("mode")}
-    for key in ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "decode_s", "wall_s"):
-        total[key] = sum((s.get(key) or 0) for s in all_stats)
-    if total["decode_s"]:
-        total["decode_tok_s"] = round(total["generated_tokens"] / total["decode_s"], 2)
-    if total["drafted_tokens"]:
-        total["acceptance_rate"] = round(total["accepted_tokens"] / total["drafted_tokens"], 4)
-    if total["rounds"]:
-        total["mean_accepted"] = round(total["generated_tokens"] / total["rounds"], 4)
-    return total
+def sum_stats(all_stats: list[dict]) -> dict:
+    """One result's stats for several files (engine.Stats.sum does the adding)."""
+    if len(all_stats) <= 1:
+        return all_stats[0] if all_stats else {}
+    from engine import Stats
+
+    total = Stats.sum(all_stats).to_dict()
+    return {"files": len(all_stats), **{k: total[k] for k in STAT_KEYS if k in total}}
 
 
 def format_stats(s: dict) -> str:
@@ -301,7 +301,7 @@ def format_stats(s: dict) -> str:
     return ", ".join(bits)
 
 
-def http_mount(engine, root=None, host: str = "127.0.0.1"):
+def http_mount(engine, root=None, host: str = "127.0.0.1", max_edit_hunks: int = DEFAULT_MAX_EDIT_HUNKS):
     """(routes, lifespan) that put streamable-HTTP MCP at /mcp on `mlx-dspark serve`'s app,
     with the tools generating through that server's own engine.
 
@@ -311,7 +311,7 @@ def http_mount(engine, root=None, host: str = "127.0.0.1"):
 
     from .mcp_backends import EngineBackend
 
-    server = build_server(EngineBackend(engine), Workspace(root))
+    server = build_server(EngineBackend(engine), Workspace(root), max_edit_hunks=max_edit_hunks)
     # its own Starlette app is only used for its /mcp route; DNS-rebinding protection follows `host`
     app = server.streamable_http_app(streamable_http_path="/mcp", host=host)
     routes = [r for r in app.routes if getattr(r, "path", None) == "/mcp"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 from typing import Any, Callable, Sequence
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -29,6 +30,7 @@ DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_BATCH = 4  # side requests (titles, sub-agents) don't wait for the main loop's long turn
 OPEN_PATHS = ("/", "/health")  # reachable without the API key
+MAX_HEADER_BYTES = 64 * 1024  # all request headers together; more is no client we serve
 MAX_CORPUS_CHARS = 2_000_000
 
 
@@ -56,7 +58,7 @@ async def corpus(request: Request):
     if len(text) > MAX_CORPUS_CHARS:
         raise ApiError(413, f"text is {len(text)} characters; the limit is {MAX_CORPUS_CHARS}")
     ids = await bridge.encode(text)
-    bridge.engine.add_corpus(ids)
+    await anyio.to_thread.run_sync(bridge.engine.add_corpus, ids, path)  # indexing takes a while: off the loop
     return JSONResponse({"ok": True, "path": path, "tokens": len(ids)})
 
 
@@ -120,6 +122,11 @@ class GuardMiddleware:
             await send(message)
 
         try:
+            header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers", []))
+            if header_bytes > MAX_HEADER_BYTES:
+                response = error_response(ApiError(431, f"request headers are {header_bytes} bytes; "
+                                                   f"the limit is {MAX_HEADER_BYTES}"), path)
+                return await response(scope, receive, send_wrapper)
             if not _origin_allowed(scope):
                 response = error_response(ApiError(403, "cross-origin requests from web pages are refused"), path)
                 return await response(scope, receive, send_wrapper)

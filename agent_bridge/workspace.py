@@ -77,9 +77,62 @@ class Workspace:
         write_atomic(real, text)
         return real
 
+    def commit(self, changes: list[tuple[str, str, str]]) -> None:
+        """Write several files all or nothing: `changes` is [(path, expected old text, new text)].
+
+        Every new text is staged in a temp file beside its target first (a full disk fails
+        here, before any file is touched); then every file is checked to still hold its old
+        text; then the temps are renamed over the targets, and a failure part-way puts the
+        already-replaced files back. WorkspaceError says which file and why."""
+        staged: list[tuple[Path, str, str, str]] = []  # (real, old, new, temp)
+        try:
+            for path, old, new in changes:
+                real = self.resolve(path)
+                if real.exists() and not real.stat().st_mode & 0o222:  # root could write it anyway
+                    raise WorkspaceError(f"{self.relative(real)}: read-only file (refused)")
+                staged.append((real, old, new, stage(real, new)))
+            for real, old, _, _ in staged:
+                _, now = self.read_text(str(real))
+                if now != old:
+                    raise WorkspaceError(f"{self.relative(real)} changed on disk while the local model was working")
+            done: list[tuple[Path, str]] = []
+            try:
+                for real, old, _, tmp in staged:
+                    os.replace(tmp, real)
+                    done.append((real, old))
+                for real in {real.parent for real, *_ in staged}:
+                    fsync_dir(real)
+            except OSError as e:
+                for real, old in reversed(done):  # put back what was already replaced
+                    write_atomic(real, old)
+                raise WorkspaceError(f"write failed ({e}); every file was restored") from None
+        except OSError as e:
+            raise WorkspaceError(f"could not stage the new files ({e})") from None
+        finally:
+            for *_, tmp in staged:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write to a temp file beside `path`, fsync, then os.replace: never a partial file."""
+    """Write to a temp file beside `path`, fsync, then os.replace and fsync the folder:
+    never a partial file, and the rename itself survives a power cut."""
+    tmp = stage(path, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def stage(path: Path, text: str) -> str:
+    """A synced temp file beside `path` holding `text`, with `path`'s permissions."""
     data = text.encode("utf-8")
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
@@ -92,10 +145,21 @@ def write_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        os.unlink(tmp)
         raise
+    return tmp
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a no-op where folders can't be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

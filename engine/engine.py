@@ -12,6 +12,7 @@ Each job keeps its own cache and drafter, so its output is what it would be alon
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import queue
 import threading
@@ -28,7 +29,7 @@ from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
-from .lookup import ContextIndexCache
+from .lookup import ContextIndexCache, TokenIndex
 from .loop_guard import LoopGuard
 from .modes import attach_drafter, make_drafter, resolve_mode
 from .piece_encoder import PieceEncoder
@@ -52,7 +53,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     mode: str | None = None  # None: the engine's default
     max_draft: int | str | None = None  # a cap, "auto", or None: the engine's default
-    corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from
+    corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from (this request only)
 
 
 class Job:
@@ -131,6 +132,8 @@ class Engine:
 
         if kv_bits not in (None, *KV_BITS):
             raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a whole number >= 1, not {prefill_chunk!r}")
         self.kv_bits = kv_bits
         self.prefix_cache: PrefixCache | None = None
 
@@ -141,7 +144,9 @@ class Engine:
         if loop_guard:
             LoopGuard(loop_guard)  # a window too small to hold a loop fails here, not per request
         self.loop_guard = loop_guard
-        self.corpus: collections.deque[list[int]] = collections.deque(maxlen=MAX_ENGINE_CORPUS_DOCS)
+        # documents to draft from (files agents read), indexed once on arrival, one per path
+        self.corpus: collections.OrderedDict[str, TokenIndex] = collections.OrderedDict()
+        self._corpus_lock = threading.Lock()
         self.target: Target | None = None
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch!r}")
@@ -151,6 +156,10 @@ class Engine:
         self._running: list[tuple[Job, Iterator[None]]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._queue_lock = threading.Lock()  # "closed?" and the put are one step (else a late put hangs)
+        # The one way in to the tokenizer, for every thread: Hugging Face fast tokenizers fail
+        # ("Already borrowed") when two threads use one at once.
+        self.tokenizer_lock = threading.RLock()
         self._stopped = threading.Event()
         loaded: Future = Future()
         self._thread = threading.Thread(
@@ -190,11 +199,12 @@ class Engine:
         """Queue a generation; a request the engine can't run raises here (EngineError)."""
         self._check_request(request)
         job = Job(request)
-        with self._lock:
+        with self._queue_lock:  # the same lock as close(): no job slips in after the engine stops
             if self._closed:
                 raise EngineError("engine is closed")
-            self._waiting.append(job)
-        self._work.put(_WAKE)
+            with self._lock:
+                self._waiting.append(job)
+            self._work.put(_WAKE)
         return job
 
     def hold(self, job: Job, held: bool = True) -> None:
@@ -234,22 +244,35 @@ class Engine:
             except BaseException as e:  # handed to the caller
                 future.set_exception(e)
 
-        self._enqueue(work, future)
+        self._enqueue(work)
         return future.result()
 
     def encode(self, text: str) -> list[int]:
-        return self._pieces.encode(text)  # equal to target.encode(text); re-sent pieces not re-tokenised
+        with self.tokenizer_lock:  # equal to target.encode(text); re-sent pieces not re-tokenised
+            return self._pieces.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.target.decode(ids)
+        with self.tokenizer_lock:
+            return self.target.decode(ids)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
-        return render_chat(self.tokenizer, messages, tools=tools, encode=self._pieces.encode, **kwargs)
+        with self.tokenizer_lock:
+            return render_chat(self.tokenizer, messages, tools=tools, encode=self._pieces.encode, **kwargs)
 
-    def add_corpus(self, token_ids: list[int]) -> None:
-        """Remember a sequence (a file an agent read, say) for lookup drafting in later requests."""
-        if len(token_ids) > 1:
-            self.corpus.append(list(token_ids))
+    def add_corpus(self, token_ids: list[int], path: str | None = None) -> None:
+        """Remember a sequence (a file an agent read, say) for lookup drafting in later requests.
+
+        It is indexed here, once; a later text for the same `path` replaces it (an edited
+        file). Without a path, identical texts are one document. The oldest go past 64."""
+        if len(token_ids) < 2:
+            return
+        key = path if path is not None else "sha256:" + hashlib.sha256(repr(list(token_ids)).encode()).hexdigest()
+        index = TokenIndex(list(token_ids))
+        with self._corpus_lock:
+            self.corpus.pop(key, None)
+            self.corpus[key] = index
+            while len(self.corpus) > MAX_ENGINE_CORPUS_DOCS:
+                self.corpus.popitem(last=False)
 
     def info(self) -> dict:
         return {
@@ -280,8 +303,9 @@ class Engine:
                     self.call(lambda t: self.prefix_cache.close())
                 except Exception as e:
                     logging.getLogger(__name__).warning("prefix cache: not saved on close: %s", e)
-            self._closed = True
-            self._work.put(None)
+            with self._queue_lock:
+                self._closed = True
+                self._work.put(None)
             self._stopped.wait(timeout=60)
 
     def __enter__(self) -> "Engine":
@@ -292,10 +316,11 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------
 
-    def _enqueue(self, work: Callable[[], None], owner: Any) -> None:
-        if self._closed:
-            raise EngineError("engine is closed")
-        self._work.put(work)
+    def _enqueue(self, work: Callable[[], None]) -> None:
+        with self._queue_lock:
+            if self._closed:
+                raise EngineError("engine is closed")
+            self._work.put(work)
 
     def _schedule(self) -> None:
         """Run calls as they come; start queued jobs up to max_batch; step each running job in turn."""
@@ -375,6 +400,7 @@ class Engine:
         stats = Stats(queued_s=t0 - job.created)
         prompt = self._check_prompt(req)
         req.sampling.validate(target.vocab_size)
+        sampling = req.sampling.for_vocab(target.vocab_size)
         if req.max_tokens < 0:
             raise InvalidRequestError("max_tokens must be >= 0")
         mode = resolve_mode(req.mode or self.default_mode, target)
@@ -387,7 +413,9 @@ class Engine:
         stats.cached_tokens = cached
         job.phase, job.prefilled, job.prompt_tokens = "prefill", cached, len(prompt)
         job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
-        drafter = None if mode == "baseline" else make_drafter(mode, target, [*self.corpus, *req.corpus])
+        with self._corpus_lock:
+            corpus = [*self.corpus.values(), *req.corpus]
+        drafter = None if mode == "baseline" else make_drafter(mode, target, corpus)
         if drafter is not None:
             drafter.use_context_cache(self._contexts)
             drafter.start(prompt)
@@ -415,7 +443,7 @@ class Engine:
 
         controller = None
         if mode == "baseline":
-            rounds = plain_rounds(target, cache, prompt[-1], req.sampling)
+            rounds = plain_rounds(target, cache, prompt[-1], sampling)
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
             if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
@@ -429,7 +457,7 @@ class Engine:
             # own): a 1-token request, or the last round of any, drafts nothing it would throw away.
             left = lambda: max(0, max_tokens - len(out) - 1)  # noqa: E731
             cap_now = cap if callable(cap) else (lambda c=cap: c)
-            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling,
+            rounds = speculative_rounds(target, cache, prompt[-1], drafter, sampling,
                                         lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()))
 
         assembler = TextAssembler(target.tokenizer, req.stop)
@@ -457,7 +485,8 @@ class Engine:
                     break
                 out.append(tok)
                 new_ids.append(tok)
-                delta, stopped = assembler.add(tok)
+                with self.tokenizer_lock:
+                    delta, stopped = assembler.add(tok)
                 text += delta
                 if stopped:
                     finish = "stop_string"
@@ -482,7 +511,8 @@ class Engine:
         rounds.close()
         if drafter is not None:
             drafter.finish()
-        tail = assembler.finish()
+        with self.tokenizer_lock:
+            tail = assembler.finish()
         if tail:
             job.emit(Tokens([], tail))
         now = time.perf_counter()

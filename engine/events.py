@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -58,6 +58,31 @@ class Stats:
                 counts.extend([0] * (n - len(counts)))
             for i in range(n):
                 counts[i] += 1
+
+    @classmethod
+    def sum(cls, parts: "list[Stats | dict]") -> "Stats":
+        """Several generations' statistics as one (counts and times added; rates follow).
+        The one place stats are summed: the MCP tools' totals and multi-file results use it."""
+        total = cls()
+        for part in parts:
+            d = asdict(part) if isinstance(part, Stats) else part
+            for f in fields(cls):
+                value = d.get(f.name)
+                if value is None:
+                    continue
+                if f.name in ("mode", "note"):
+                    if value:
+                        setattr(total, f.name, value)
+                elif f.name == "ttft_s":
+                    total.ttft_s = total.ttft_s or float(value)
+                elif isinstance(getattr(total, f.name), list):
+                    mine = getattr(total, f.name)
+                    mine.extend([0] * (len(value) - len(mine)))
+                    for i, v in enumerate(value):
+                        mine[i] += v
+                else:
+                    setattr(total, f.name, getattr(total, f.name) + type(getattr(total, f.name))(value))
+        return total
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -225,9 +225,6 @@ class DiskTier:
 
     # -- writing --------------------------------------------------------------------
 
-    def has(self, end_key: str) -> bool:
-        return end_key[:KEY_CHARS] in self.by_end
-
     def write(self, parent_key: str, end_key: str, tokens: list[int], segment: list[list[mx.array]]) -> bool:
         """Queue a segment's file for the background writer; False if it can't be queued."""
         parent, end = parent_key[:KEY_CHARS], end_key[:KEY_CHARS]

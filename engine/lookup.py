@@ -127,8 +127,9 @@ class ContextIndexCache:
 class LookupDrafter(Drafter):
     name = "lookup"
 
-    def __init__(self, corpus: list[list[int]] | None = None, min_limit: int = 2):
-        self.corpus = [TokenIndex(doc) for doc in (corpus or []) if len(doc) > 1]
+    def __init__(self, corpus: "list[list[int] | TokenIndex] | None" = None, min_limit: int = 2):
+        # documents may come indexed already (the engine's corpus: indexed once, on arrival)
+        self.corpus = [doc if isinstance(doc, TokenIndex) else TokenIndex(doc) for doc in (corpus or []) if len(doc) > 1]
         self.context = TokenIndex()
         self.min_limit = min_limit
         self.limit = 1 << 30  # the gate; the caller's cap bounds it too

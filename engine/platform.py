@@ -18,7 +18,8 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
     "/usr/lib/libopenblas.so.0",
 )
-_REEXEC_GUARD = "MLX_DSPARK_BLAS_REEXEC"
+_REEXEC_GUARD = "MLX_DSPARK_BLAS_REEXEC"  # set in the re-executed process: the caller's LD_PRELOAD
+_UNSET = "-"
 
 
 def find_openblas() -> str | None:
@@ -34,21 +35,36 @@ def ensure_fast_blas(argv: list[str] | None = None) -> None:
     Call it before anything imports mlx. A no-op on macOS, when OpenBLAS is absent,
     already preloaded, or when MLX_DSPARK_NO_REEXEC is set.
     """
+    if _REEXEC_GUARD in os.environ:  # we are the re-executed process: OpenBLAS is mapped now
+        restore_caller_env()
+        return
     if sys.platform != "linux" or os.environ.get("MLX_DSPARK_NO_REEXEC"):
         return
-    if os.environ.get(_REEXEC_GUARD) or "openblas" in os.environ.get("LD_PRELOAD", ""):
+    if "openblas" in os.environ.get("LD_PRELOAD", ""):
         return
     lib = find_openblas()
     if lib is None:
         return
     env = dict(os.environ)
+    # the caller's LD_PRELOAD ("-" when unset) rides along so the new process can put it back
+    env[_REEXEC_GUARD] = env.get("LD_PRELOAD", _UNSET)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-    env[_REEXEC_GUARD] = "1"
     argv = argv if argv is not None else sys.argv
     try:
         os.execve(sys.executable, [sys.executable, *argv], env)
     except OSError:
         return  # keep running on the slow BLAS; `doctor` says how to fix it
+
+
+def restore_caller_env() -> None:
+    """Put LD_PRELOAD back as the caller had it. The loader needed it only at exec time; left
+    set, it would reach every program we start (Claude Code, its shell commands, hooks, MCP
+    servers: Node.js under it fails with `pthread_create: Invalid argument`)."""
+    before = os.environ.pop(_REEXEC_GUARD, _UNSET)
+    if before == _UNSET:
+        os.environ.pop("LD_PRELOAD", None)
+    else:
+        os.environ["LD_PRELOAD"] = before
 
 
 def loaded_blas() -> str:

@@ -73,18 +73,45 @@ def default_max_disk_bytes(path: str | os.PathLike) -> int:
 
 
 def cache_identity(target, kv_bits: int | None) -> str:
-    """Target.identity plus what it leaves out: the weights files, KV bits, MLX version."""
-    weights = []
-    local = Path(target.path)
-    if local.is_dir():
-        for p in sorted(local.glob("*.safetensors")):
-            st = p.stat()
-            weights.append([p.name, st.st_size, st.st_mtime_ns])
+    """Target.identity plus what it leaves out: the weights (revision and digests), KV bits,
+    the MLX and mlx-lm versions. KV computed with other weights must never be reused, also
+    from the disk tier across restarts (a hub model re-uploaded with the same config)."""
+    import mlx_lm
+
     blob = json.dumps(
-        {"target": target.identity, "weights": weights, "kv_bits": kv_bits, "mlx": mx.__version__, "v": 1},
+        {"target": target.identity, **weights_fingerprint(target.path), "kv_bits": kv_bits,
+         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "v": 2},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(path: str) -> dict:
+    """The snapshot revision and per-file digests of a model's weights.
+
+    A hub id is looked up in the local Hugging Face cache (offline), where each weights file
+    is a link to a blob named by its SHA-256; a plain directory's files are named by size
+    and modification time (hashing gigabytes at every start would cost more than it saves)."""
+    local = Path(path)
+    if not local.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+            from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+            local = Path(snapshot_download(path, local_files_only=True, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        except Exception as e:  # not in the cache: nothing to key on but the id
+            log.warning("cache identity: %s not found in the local hub cache (%s)", path, e)
+            return {"revision": None, "weights": []}
+    revision = local.name if local.parent.name == "snapshots" else None
+    weights = []
+    for f in sorted(local.glob("*.safetensors")):
+        real = f.resolve()
+        if f.is_symlink() and real.parent.name == "blobs":
+            weights.append([f.name, real.name])
+        else:
+            st = real.stat()
+            weights.append([f.name, st.st_size, st.st_mtime_ns])
+    return {"revision": revision, "weights": weights}
 
 
 class PrefixCache:

@@ -163,7 +163,3 @@ class RadixTree:
             if n.is_leaf() and n not in pinned and (best is None or n.last_used < best.last_used):
                 best = n
         return best
-
-    def prefix_key(self, node: Node) -> str:
-        """Hash of every token before node's edge (its parent's end)."""
-        return node.parent.key

@@ -7,7 +7,7 @@ then softmax at the temperature. Temperature 0 means greedy (argmax).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +25,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def for_vocab(self, vocab_size: int) -> "SamplingParams":
+        """The same sampling with a top_k at or above the vocabulary read as no limit
+        (mlx-lm's top-k sampler can't take k >= vocab)."""
+        return replace(self, top_k=0) if self.top_k >= vocab_size else self
 
     def validate(self, vocab_size: int) -> None:
         from .errors import InvalidRequestError

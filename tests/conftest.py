@@ -38,6 +38,18 @@ def tiny_engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def safety_engine(tmp_path_factory):
+    """A real engine whose tiny model was trained on the MCP safety chats (tests/mcp_cases.py)."""
+    from engine import Engine
+    from forced_model import train_forced_model
+    from mcp_cases import safety_chats
+
+    engine = Engine(str(train_forced_model(tmp_path_factory.mktemp("safety"), safety_chats())), prefix_cache=False)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip("../shared/fixtures is absent")

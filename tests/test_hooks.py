@@ -69,8 +69,8 @@ def test_hooks_with_the_server_up(engine, tmp_path):
     assert start.returncode == 0 and out["hookEventName"] == "SessionStart"
     assert "tiny-test" in out["additionalContext"] and "context window" in out["additionalContext"]
     assert read.returncode == 0 and edit.returncode == 0 and read.stdout == ""
-    assert after_files == before + 2
-    assert engine.corpus[-1] == engine.encode("def helper(x):\n    return x * 2\n")
+    assert after_files == before + 1  # read, then edited: one document per path
+    assert list(engine.corpus.values())[-1].tokens == engine.encode("def helper(x):\n    return x * 2\n")
     assert all(r.returncode == 0 and r.stdout == "" for r in skipped)
     assert len(engine.corpus) == after_files  # binary, other tools, missing files, garbage: nothing posted
 

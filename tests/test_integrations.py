@@ -112,12 +112,14 @@ def test_write_merges_keeps_keys_and_backs_up(client, places, capsys):
 
     for _ in range(2):  # twice: the second run must change nothing
         assert main(["integrate", client, "--write", "--scope", scope, "--port", "9123", "--transport", "http"]) == 0
+        after_first = target.read_text() if _ == 0 else after_first
     merged = loads(target.read_text(), fmt)
     assert kept(merged), merged
     assert "9123" in target.read_text()
     backups = sorted(target.parent.glob(target.name + ".bak-*"))
-    assert len(backups) == 2 and backups[0].read_text() == existing
-    assert loads(backups[1].read_text(), fmt) == merged  # idempotent: no duplicated entries
+    assert len(backups) == 1 and backups[0].read_text() == existing
+    assert target.read_text() == after_first  # idempotent: no duplicated entries, not even rewritten
+    assert "already up to date" in capsys.readouterr().out
 
 
 def test_claude_code_write_everything(places):

@@ -303,19 +303,19 @@ def make_line_edit(code: str, rng: random.Random):
 
 P_CANONICAL = 0.7
 ALT_RENAME = [
-    "In {path}, rename `{old}` to `{new}` and return the complete file.\n\n```python\n{code}```\n",
-    "Replace every occurrence of the identifier `{old}` with `{new}` in this file ({path}). Output the full file.\n\n```python\n{code}```\n",
-    "{path}:\n```python\n{code}```\nRename {old} -> {new}. Give back the whole file.\n",
+    "In {path}, rename `{old}` to `{new}` and return the complete file.\n\n{fence}{lang}\n{code}{fence}\n",
+    "Replace every occurrence of the identifier `{old}` with `{new}` in this file ({path}). Output the full file.\n\n{fence}{lang}\n{code}{fence}\n",
+    "{path}:\n{fence}{lang}\n{code}{fence}\nRename {old} -> {new}. Give back the whole file.\n",
 ]
 ALT_EDIT = [
-    "Edit {path}: {instruction}\nReturn the complete file.\n\n```python\n{code}```\n",
-    "{path}:\n```python\n{code}```\nChange to make: {instruction}\nOutput the full updated file.\n",
+    "Edit {path}: {instruction}\nReturn the complete file.\n\n{fence}{lang}\n{code}{fence}\n",
+    "{path}:\n{fence}{lang}\n{code}{fence}\nChange to make: {instruction}\nOutput the full updated file.\n",
 ]
 ALT_REWRITE = [
-    "Update {path}. {instruction}\nOutput the complete file.\n\n```python\n{code}```\n",
+    "Update {path}. {instruction}\nOutput the complete file.\n\n{fence}{lang}\n{code}{fence}\n",
 ]
 ALT_CONTINUE = [
-    "Here is the start of {path}. Write the rest of it, repeating the beginning.\n\n```python\n{code}```\n",
+    "Here is the start of {path}. Write the rest of it, repeating the beginning.\n\n{fence}{lang}\n{code}{fence}\n",
 ]
 ALTS = {"rename_symbol": ALT_RENAME, "edit_file": ALT_EDIT, "rewrite_file": ALT_REWRITE, "continue_file": ALT_CONTINUE}
 
@@ -323,7 +323,7 @@ ALTS = {"rename_symbol": ALT_RENAME, "edit_file": ALT_EDIT, "rewrite_file": ALT_
 def render_user(name: str, rng: random.Random, **fields) -> str:
     if rng.random() < P_CANONICAL:
         return prompts.render(name, **fields)
-    return rng.choice(ALTS[name]).format(**fields)
+    return rng.choice(ALTS[name]).format(**prompts.with_derived(fields))
 
 
 def chat_prefix(user: str, system: str | None) -> str:

@@ -30,6 +30,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
 
 
+def add_max_edit_hunks(parser: argparse.ArgumentParser) -> None:
+    from agent_bridge.edits import DEFAULT_MAX_EDIT_HUNKS
+
+    parser.add_argument("--max-edit-hunks", type=int, default=DEFAULT_MAX_EDIT_HUNKS, metavar="N",
+                        help="MCP edit_file writes a change of at most N diff hunks; a larger one is "
+                             f"returned as a proposal (default {DEFAULT_MAX_EDIT_HUNKS})")
+
+
 def parse_max_draft(value: str | None) -> int | str | None:
     from agent_bridge.cli import CommandError
 
@@ -67,6 +75,8 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
     for flag in ("prefix_cache_max_ram_mb", "prefix_cache_max_disk_mb"):
         if (getattr(args, flag, None) or 0) < 0:
             raise CommandError(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.prefill_chunk < 1:
+        raise CommandError(f"--prefill-chunk must be >= 1, not {args.prefill_chunk}")
     max_draft = parse_max_draft(args.max_draft)
     loop_guard = getattr(args, "loop_guard", None)
     if loop_guard is None:  # long-lived servers guard agents against a looping model by default

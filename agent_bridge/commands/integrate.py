@@ -64,12 +64,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     for t in found:
+        existed = t.path.exists()
         try:
             backup = merge_into_file(t.path, t.data, t.fmt)
         except ConfigError as e:
             raise CommandError(f"{e} (nothing written; fix the file or merge the snippet by hand)") from None
-        note = f" (backup: {backup})" if backup else " (new file)"
-        print(f"wrote {t.path}{note}")
+        if existed and backup is None:
+            print(f"{t.path}: already up to date")
+        else:
+            print(f"wrote {t.path}" + (f" (backup: {backup})" if backup else " (new file)"))
     if args.client == "claude-code" and "hooks" in parts:
         from agent_bridge.clients import HOOK_SCRIPTS, HOOKS_DIR
 

@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import sys
 
-from .common import add_engine_args, engine_from_args
+from .common import add_engine_args, add_max_edit_hunks, engine_from_args
 
 
 def add_parser(sub) -> None:
@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--server", default=None, metavar="URL",
                    help="generate through a running `mlx-dspark serve` at URL instead of loading the model here")
     p.add_argument("--api-key", default=None, help="bearer token for --server (default: none needed locally)")
+    add_max_edit_hunks(p)
     p.set_defaults(run=run)
 
 
@@ -25,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from agent_bridge.mcp_server import build_server
     from agent_bridge.workspace import Workspace, WorkspaceError
 
+    if args.max_edit_hunks < 1:
+        raise CommandError("--max-edit-hunks must be >= 1")
     try:
         workspace = Workspace(args.root)
     except WorkspaceError as e:
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if engine is not None:
         flush_on_signals(engine)
     try:
-        build_server(backend, workspace).run("stdio")
+        build_server(backend, workspace, max_edit_hunks=args.max_edit_hunks).run("stdio")
     finally:
         if engine is not None:
             engine.close()

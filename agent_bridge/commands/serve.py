@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_engine_args, engine_from_args
+from .common import add_engine_args, add_max_edit_hunks, engine_from_args
 
 
 def add_parser(sub) -> None:
@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --api-key (anyone who can reach it may use the "
+                        "model and the MCP file tools)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="output cap when an OpenAI request sets none")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
@@ -25,8 +28,20 @@ def add_parser(sub) -> None:
                    help=f"requests the engine works on at once, a step each in turn (default {DEFAULT_MAX_BATCH})")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests past which new ones get 429/529 (default {DEFAULT_MAX_QUEUE})")
+    add_max_edit_hunks(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: may resolve anywhere
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,10 +50,15 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
+    if not is_loopback(args.host) and not args.api_key and not args.insecure:
+        raise CommandError(f"--host {args.host} is reachable from other machines, and /mcp serves tools that "
+                           "write files: set --api-key KEY (or --insecure to serve it open anyway)")
     if args.default_max_tokens < 1:
         raise CommandError("--default-max-tokens must be >= 1")
     if args.max_batch < 1 or args.max_queue < 0:
         raise CommandError("--max-batch must be >= 1 and --max-queue >= 0")
+    if args.max_edit_hunks < 1:
+        raise CommandError("--max-edit-hunks must be >= 1")
     with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
@@ -46,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_mcp:
             from agent_bridge.mcp_server import http_mount
 
-            mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
+            mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host,
+                                                   max_edit_hunks=args.max_edit_hunks)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
               default_max_tokens=args.default_max_tokens, model_name=args.model_name, max_queue=args.max_queue,
               extra_routes=mcp_routes, lifespan=mcp_lifespan)
