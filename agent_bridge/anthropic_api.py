@@ -18,7 +18,8 @@ from starlette.routing import Route
 
 from engine import Done, PrefillProgress, Tokens
 
-from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, get_stops, text_of, tool_call
+from .chat_request import (MAX_TOKENS_LIMIT, MEDIA_BLOCKS, ChatRequest, get, get_int, get_number, get_stops, media_text,
+                           text_of, tool_call)
 from .http_errors import ApiError, anthropic_body, bad_request
 from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
 from .tool_calls import OutputParser, Segment, parse_text
@@ -50,20 +51,16 @@ def system_text(system: Any) -> str:
     return "\n".join(kept)
 
 
-def _tool_result_text(block: dict, where: str) -> str:
-    content = block.get("content", "")
-    if isinstance(content, list):
-        # Images a tool returned can't reach a text model: say so rather than fail the session.
-        content = [b if not (isinstance(b, dict) and b.get("type") == "image")
-                   else {"type": "text", "text": "[image omitted]"} for b in content]
-    text = text_of(content, where)
+def _tool_result_text(block: dict, where: str, omitted: list | None) -> str:
+    text = text_of(block.get("content", ""), where, omitted=omitted)  # images a tool returned: placeholders
     if block.get("is_error"):
         text = f"Error: {text}"
     return text
 
 
-def convert_messages(messages: list) -> tuple[list[dict], str]:
-    """Anthropic messages -> normalised chat messages, plus a final assistant prefix if any."""
+def convert_messages(messages: list, omitted: list | None = None) -> tuple[list[dict], str]:
+    """Anthropic messages -> normalised chat messages, plus a final assistant prefix if any.
+    Images and documents become placeholders, listed in `omitted`."""
     out: list[dict] = []
     prefix = ""
     for i, m in enumerate(messages):
@@ -77,9 +74,9 @@ def convert_messages(messages: list) -> tuple[list[dict], str]:
             raise bad_request(f"{where}.content: expected a string or an array of content blocks")
         if role == "system" or isinstance(content, str):
             if role == "assistant" and i == len(messages) - 1:
-                prefix = text_of(content, where)
+                prefix = text_of(content, where, omitted=omitted)
                 continue
-            out.append({"role": role, "content": text_of(content, where)})
+            out.append({"role": role, "content": text_of(content, where, omitted=omitted)})
             continue
         texts: list[str] = []
         calls: list[dict] = []
@@ -90,13 +87,16 @@ def convert_messages(messages: list) -> tuple[list[dict], str]:
             kind = b.get("type")
             if kind == "text":
                 texts.append(text_of([b], where))
+            elif kind in MEDIA_BLOCKS:
+                texts.append(media_text(b, bw, omitted))
             elif role == "user" and kind == "tool_result":
                 if not isinstance(b.get("tool_use_id"), str):
                     raise bad_request(f"{bw}.tool_use_id: expected a string")
                 if texts:  # keep the order the user wrote
                     out.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
-                out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": _tool_result_text(b, bw)})
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                            "content": _tool_result_text(b, bw, omitted)})
             elif role == "assistant" and kind == "tool_use":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str):
                     raise bad_request(f"{bw}: tool_use needs a string id and name")
@@ -104,7 +104,7 @@ def convert_messages(messages: list) -> tuple[list[dict], str]:
             elif role == "assistant" and kind in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not shown to the model again
             else:
-                text_of([b], where)  # raises the precise error for images, documents, unknown types
+                text_of([b], where)  # raises the precise error for an unknown type
         if role == "assistant":
             if i == len(messages) - 1 and not calls:
                 prefix = "\n".join(texts)
@@ -141,7 +141,8 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False)
     messages = get(body, "messages", (list,))
     if not messages:
         raise bad_request("messages: at least one message is required", param="messages")
-    converted, prefix = convert_messages(messages)
+    omitted: list[dict] = []
+    converted, prefix = convert_messages(messages, omitted)
     system = system_text(body.get("system"))
     if system:
         converted.insert(0, {"role": "system", "content": system})
@@ -177,6 +178,7 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False)
         template_kwargs=template_kwargs,
         parse_tools=parse_tools,
         assistant_prefix=prefix,
+        omitted_content=omitted,
     )
 
 
@@ -231,7 +233,7 @@ async def messages(request: Request):
         "id": new_message_id(), "type": "message", "role": "assistant", "model": model,
         "content": [_block(s) for s in segs], "stop_reason": reason, "stop_sequence": seq,
         "usage": _usage(len(ids), done.stats.cached_tokens, done.stats.generated_tokens),
-        "mlx_dspark": done.stats.to_dict(),
+        "mlx_dspark": req.extra(done.stats),
     })
 
 
@@ -302,7 +304,7 @@ async def stream(gen: Generation, req: ChatRequest, ids: list[int], model: str, 
     yield sse("message_delta", {
         "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
         "usage": _usage(len(ids), done.stats.cached_tokens, done.stats.generated_tokens),
-        "mlx_dspark": done.stats.to_dict()})
+        "mlx_dspark": req.extra(done.stats)})
     yield sse("message_stop", {"type": "message_stop"})
 
 

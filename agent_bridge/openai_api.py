@@ -21,7 +21,9 @@ FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled"
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def convert_messages(messages: list) -> list[dict]:
+def convert_messages(messages: list, omitted: list | None = None) -> list[dict]:
+    """OpenAI messages -> normalised chat messages; image/file/audio parts become placeholders
+    listed in `omitted`."""
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -30,7 +32,7 @@ def convert_messages(messages: list) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}", param="messages")
-        content = text_of(m.get("content"), where, allowed=("text", "input_text", "output_text"))
+        content = text_of(m.get("content"), where, allowed=("text", "input_text", "output_text"), omitted=omitted)
         if role == "developer":
             role = "system"
         if role in ("tool", "function"):
@@ -102,8 +104,9 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
     template_kwargs = {}
     if isinstance(body.get("chat_template_kwargs"), dict):  # vLLM/mlx-lm extension, e.g. enable_thinking
         template_kwargs.update(body["chat_template_kwargs"])
-    return ChatRequest(messages=convert_messages(messages), tools=tools if parse_tools else None,
-                       parse_tools=parse_tools, template_kwargs=template_kwargs,
+    omitted: list[dict] = []
+    return ChatRequest(messages=convert_messages(messages, omitted), tools=tools if parse_tools else None,
+                       parse_tools=parse_tools, template_kwargs=template_kwargs, omitted_content=omitted,
                        **sampling_fields(body, default_max_tokens))
 
 
@@ -133,7 +136,7 @@ async def chat_completions(request: Request):
     thinking = bridge.starts_thinking(ids)
     if req.stream:
         parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
-        return EventStream(stream_chat(gen, ids, model, parser, include_usage), gen)
+        return EventStream(stream_chat(gen, req, ids, model, parser, include_usage), gen)
     text = await collect(gen)
     segs = parse_text(text, bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
     message: dict = {"role": "assistant", "content": "".join(s.text for s in segs if s.kind == "text") or None}
@@ -151,7 +154,7 @@ async def chat_completions(request: Request):
         "id": _id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": None,
                      "finish_reason": "tool_calls" if calls else FINISH.get(done.finish_reason, "stop")}],
-        "usage": usage(len(ids), done), "mlx_dspark": done.stats.to_dict(),
+        "usage": usage(len(ids), done), "mlx_dspark": req.extra(done.stats),
     })
 
 
@@ -163,7 +166,7 @@ async def collect(gen: Generation) -> str:
     return text
 
 
-async def stream_chat(gen: Generation, ids: list[int], model: str, parser: OutputParser, include_usage: bool):
+async def stream_chat(gen: Generation, req: ChatRequest, ids: list[int], model: str, parser: OutputParser, include_usage: bool):
     base = {"id": _id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     n_calls = 0
 
@@ -203,7 +206,7 @@ async def stream_chat(gen: Generation, ids: list[int], model: str, parser: Outpu
         yield emit(seg)
     done = gen.done
     finish = "tool_calls" if n_calls else FINISH.get(done.finish_reason, "stop")
-    yield chunk({}, finish, mlx_dspark=done.stats.to_dict())
+    yield chunk({}, finish, mlx_dspark=req.extra(done.stats))
     if include_usage:
         yield sse(None, {**base, "choices": [], "usage": usage(len(ids), done)})
     yield "data: [DONE]\n\n"

@@ -24,7 +24,7 @@ from .tool_calls import OutputParser, Segment
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-def convert_input(items: Any, instructions: str) -> list[dict]:
+def convert_input(items: Any, instructions: str, omitted: list | None = None) -> list[dict]:
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(items, str):
         return out + [{"role": "user", "content": items}]
@@ -41,7 +41,7 @@ def convert_input(items: Any, instructions: str) -> list[dict]:
                 raise bad_request(f"{where}.role: expected user, assistant, system or developer, got {role!r}",
                                   param="input")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": text_of(item.get("content"), where, allowed=TEXT_PARTS)})
+                        "content": text_of(item.get("content"), where, allowed=TEXT_PARTS, omitted=omitted)})
         elif kind in ("function_call", "custom_tool_call"):
             name, call_id = item.get("name"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(call_id, str):
@@ -56,7 +56,7 @@ def convert_input(items: Any, instructions: str) -> list[dict]:
             output = item.get("output", "")
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}.call_id: expected a string", param="input")
-            text = output if isinstance(output, str) else text_of(output, where, allowed=TEXT_PARTS)
+            text = output if isinstance(output, str) else text_of(output, where, allowed=TEXT_PARTS, omitted=omitted)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
             continue  # earlier reasoning is not shown to the model again
@@ -88,7 +88,8 @@ def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
         raise bad_request("previous_response_id: this server keeps no state; send the whole conversation as input",
                           param="previous_response_id")
     instructions = get(body, "instructions", (str,), "") or ""
-    messages = convert_input(get(body, "input", (str, list)), instructions)
+    omitted: list[dict] = []
+    messages = convert_input(get(body, "input", (str, list)), instructions, omitted)
     if not any(m["role"] != "system" for m in messages):
         raise bad_request("input: at least one item is required", param="input")
     choice = get(body, "tool_choice", (str, dict), None)
@@ -101,6 +102,7 @@ def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
         temperature=get_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=get_number(body, "top_p", 1.0, 1e-9, 1.0),
         stream=get(body, "stream", (bool,), False),
+        omitted_content=omitted,
     )
 
 
@@ -146,7 +148,7 @@ async def responses(request: Request):
         response["usage"] = {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": s.cached_tokens},
                              "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": len(ids) + s.generated_tokens}
-        response["mlx_dspark"] = s.to_dict()
+        response["mlx_dspark"] = req.extra(s)
 
     if not req.stream:
         text = ""
