@@ -269,13 +269,37 @@ async def completions(request: Request):
     return EventStream(events(), gen)
 
 
+def _same_path(a: str, b: str) -> bool:
+    from pathlib import Path
+
+    try:
+        return bool(a and b) and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
 def _model_card(bridge: Bridge) -> dict:
     return {"id": bridge.model_name, "object": "model", "created": 0, "owned_by": "mlx-dspark",
             "context_window": bridge.context_window}
 
 
 async def list_models(request: Request):
-    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.bridge)]})
+    """The served model; with `?all=1` also every model on this machine (engine.find_models)."""
+    bridge: Bridge = request.app.state.bridge
+    cards = [{**_model_card(bridge), "loaded": True}]
+    if request.query_params.get("all", "").lower() in ("1", "true", "yes"):
+        from starlette.concurrency import run_in_threadpool
+
+        from engine import find_models
+
+        serving = str(getattr(bridge.engine, "model_path", ""))
+        for info in await run_in_threadpool(find_models, getattr(request.app.state, "models_dirs", ())):
+            if _same_path(info.path, serving):
+                cards[0]["mlx_dspark"] = info.to_dict()
+                continue
+            cards.append({"id": info.name, "object": "model", "created": 0, "owned_by": info.source,
+                          "context_window": info.context_length, "loaded": False, "mlx_dspark": info.to_dict()})
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def get_model(request: Request):

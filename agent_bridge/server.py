@@ -164,6 +164,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     extra_routes: Sequence[Any] = (),
     lifespan: Any = None,
+    models_dirs: Sequence[str] = (),
 ) -> Starlette:
     bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
     routes = [
@@ -185,6 +186,7 @@ def create_app(
     )
     app.state.bridge = bridge
     app.state.max_body_bytes = max_body_bytes
+    app.state.models_dirs = list(models_dirs)  # where `GET /v1/models?all=1` also looks
     app.add_middleware(GuardMiddleware, bridge=bridge, api_key=api_key, routes=routes)
     return app
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .common import add_engine_args, engine_from_args
+from .models import add_models_dir_arg
 
 
 def add_parser(sub) -> None:
@@ -12,6 +13,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Responses APIs")
     add_engine_args(p)
+    add_models_dir_arg(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
@@ -42,5 +44,5 @@ def run(args: argparse.Namespace) -> int:
             mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
               default_max_tokens=args.default_max_tokens, model_name=args.model_name,
-              extra_routes=mcp_routes, lifespan=mcp_lifespan)
+              extra_routes=mcp_routes, lifespan=mcp_lifespan, models_dirs=args.models_dir)
     return 0
