@@ -248,7 +248,9 @@ def pairing_problems(head_config: dict, target_config: dict) -> list[str]:
     target = text_config(target_config)
     problems = []
     t_hidden, h_hidden = target.get("hidden_size"), head.get("hidden_size")
-    if t_hidden and h_hidden and int(t_hidden) != int(h_hidden):
+    # A DSpark head may carry its own embedding and LM head at another width: its weights decide.
+    own_width = any("DSpark" in str(a) for a in head.get("architectures") or [])
+    if t_hidden and h_hidden and int(t_hidden) != int(h_hidden) and not own_width:
         problems.append(f"hidden size: the head's is {h_hidden}, the model's {t_hidden}")
     t_vocab, h_vocab = target.get("vocab_size"), head.get("vocab_size")
     if t_vocab and h_vocab and int(t_vocab) != int(h_vocab):
