@@ -22,6 +22,7 @@ from .chat_request import (MAX_TOKENS_LIMIT, MEDIA_BLOCKS, ChatRequest, get, get
                            text_of, tool_call)
 from .http_errors import ApiError, anthropic_body, bad_request
 from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
+from .model_registry import use_model
 from .tool_calls import OutputParser, Segment, parse_text
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -215,6 +216,7 @@ def _parser(bridge: Bridge, req: ChatRequest, ids: list[int]) -> OutputParser:
 async def messages(request: Request):
     bridge: Bridge = request.app.state.bridge
     req = parse_request(await read_json(request), bridge.default_max_tokens)
+    bridge = await use_model(request, req.model)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
@@ -311,6 +313,7 @@ async def stream(gen: Generation, req: ChatRequest, ids: list[int], model: str, 
 async def count_tokens(request: Request):
     bridge: Bridge = request.app.state.bridge
     req = parse_request(await read_json(request), bridge.default_max_tokens, count_only=True)
+    bridge = await use_model(request, req.model)
     ids = await bridge.prompt_ids(req, check=False)
     return JSONResponse({"input_tokens": len(ids)})
 

@@ -15,6 +15,7 @@ from engine import Done, EngineError, PrefillProgress, Tokens
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
 from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
+from .model_registry import current_bridge, use_model
 from .tool_calls import OutputParser, Segment, parse_text
 
 FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled": "stop"}
@@ -129,6 +130,7 @@ async def chat_completions(request: Request):
     bridge: Bridge = request.app.state.bridge
     body = await read_json(request)
     req = parse_chat(body, bridge.default_max_tokens)
+    bridge = await use_model(request, req.model)
     include_usage = _include_usage(body)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
@@ -229,6 +231,7 @@ async def completions(request: Request):
     bridge: Bridge = request.app.state.bridge
     body = await read_json(request)
     req, prompt = parse_completion(body, bridge.default_max_tokens)
+    bridge = await use_model(request, req.model)
     include_usage = _include_usage(body)
     ids = await bridge.encode(prompt) if isinstance(prompt, str) else list(prompt)
     try:
@@ -285,17 +288,20 @@ def _model_card(bridge: Bridge) -> dict:
 
 async def list_models(request: Request):
     """The served model; with `?all=1` also every model on this machine (engine.find_models)."""
-    bridge: Bridge = request.app.state.bridge
-    cards = [{**_model_card(bridge), "loaded": True}]
+    bridge = current_bridge(request)
+    registry = request.app.state.models
+    cards = [{**_model_card(b), "loaded": True, "current": b is bridge} for b in registry.loaded.values()]
+    cards.sort(key=lambda c: not c["current"])
     if request.query_params.get("all", "").lower() in ("1", "true", "yes"):
         from starlette.concurrency import run_in_threadpool
 
         from engine import find_models
 
-        serving = str(getattr(bridge.engine, "model_path", ""))
+        serving = {str(getattr(b.engine, "model_path", "")): c for b, c in zip(registry.loaded.values(), cards)}
         for info in await run_in_threadpool(find_models, getattr(request.app.state, "models_dirs", ())):
-            if _same_path(info.path, serving):
-                cards[0]["mlx_dspark"] = info.to_dict()
+            loaded = next((c for path, c in serving.items() if _same_path(info.path, path)), None)
+            if loaded is not None:
+                loaded["mlx_dspark"] = info.to_dict()
                 continue
             cards.append({"id": info.name, "object": "model", "created": 0, "owned_by": info.source,
                           "context_window": info.context_length, "loaded": False, "mlx_dspark": info.to_dict()})
@@ -303,10 +309,11 @@ async def list_models(request: Request):
 
 
 async def get_model(request: Request):
-    bridge: Bridge = request.app.state.bridge
-    if request.path_params["model"] != bridge.model_name:
-        raise ApiError(404, f"model {request.path_params['model']!r} not found; this server serves {bridge.model_name!r}")
-    return JSONResponse(_model_card(bridge))
+    loaded = request.app.state.models.loaded
+    name = request.path_params["model"]
+    if name not in loaded:
+        raise ApiError(404, f"model {name!r} not found; this server serves {', '.join(map(repr, loaded))}")
+    return JSONResponse(_model_card(loaded[name]))
 
 
 routes = [

@@ -19,6 +19,7 @@ from engine import PrefillProgress, Tokens
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, text_of, tool_call
 from .http_errors import ApiError, bad_request, openai_body
 from .job_stream import Bridge, ClientGone, EventStream, Heartbeat, read_json, sse
+from .model_registry import use_model
 from .tool_calls import OutputParser, Segment
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -126,6 +127,7 @@ async def responses(request: Request):
     bridge: Bridge = request.app.state.bridge
     body = await read_json(request)
     req = parse_request(body, bridge.default_max_tokens)
+    bridge = await use_model(request, req.model)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools,

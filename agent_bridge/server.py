@@ -19,9 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, model_registry, openai_api, responses_api
 from .http_errors import ApiError, error_response
 from .job_stream import DEFAULT_MAX_BODY_BYTES, Bridge, ClientGone, read_json
+from .model_registry import LeaseMiddleware, ModelRegistry, current_bridge
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -31,8 +32,9 @@ MAX_CORPUS_CHARS = 2_000_000
 
 
 async def health(request: Request):
-    bridge: Bridge = request.app.state.bridge
-    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window})
+    bridge = current_bridge(request)
+    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window,
+                         "models": request.app.state.models.describe()})
 
 
 async def metrics(request: Request):
@@ -51,6 +53,7 @@ async def corpus(request: Request):
         raise ApiError(400, "path: expected a string", param="path")
     if len(text) > MAX_CORPUS_CHARS:
         raise ApiError(413, f"text is {len(text)} characters; the limit is {MAX_CORPUS_CHARS}")
+    bridge = current_bridge(request)
     ids = await bridge.encode(text)
     bridge.engine.add_corpus(ids)
     return JSONResponse({"ok": True, "path": path, "tokens": len(ids)})
@@ -65,7 +68,7 @@ async def machine(request: Request):
 
     state = request.app.state
     if getattr(state, "machine", None) is None:
-        engine = state.bridge.engine
+        engine = current_bridge(request).engine
         kv_bits = getattr(engine, "kv_bits", None)
         state.machine = await run_in_threadpool(
             engine.call, lambda t: {**describe_platform(), "roofline": machine_report(t, kv_bits)})
@@ -165,14 +168,22 @@ def create_app(
     extra_routes: Sequence[Any] = (),
     lifespan: Any = None,
     models_dirs: Sequence[str] = (),
+    load_engine: Callable[[str], Any] | None = None,
+    allow_switch: bool = False,
+    max_models: int = 1,
 ) -> Starlette:
+    """`load_engine(path)` builds an engine for another model (POST /v1/models/load, and
+    requests naming one with `allow_switch`); `max_models` stay loaded (model_registry.py)."""
     bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
+    registry = ModelRegistry(bridge, load_engine, allow_switch=allow_switch, max_models=max_models,
+                             models_dirs=list(models_dirs), context_window=context_window)
     routes = [
         Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/machine", machine, methods=["GET"]),
         Route("/v1/corpus", corpus, methods=["POST"]),
+        *model_registry.routes,
         *openai_api.routes,
         *anthropic_api.routes,
         *responses_api.routes,
@@ -187,6 +198,8 @@ def create_app(
     app.state.bridge = bridge
     app.state.max_body_bytes = max_body_bytes
     app.state.models_dirs = list(models_dirs)  # where `GET /v1/models?all=1` also looks
+    app.state.models = registry
+    app.add_middleware(LeaseMiddleware, registry=registry)
     app.add_middleware(GuardMiddleware, bridge=bridge, api_key=api_key, routes=routes)
     return app
 
@@ -194,5 +207,8 @@ def create_app(
 def serve(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level: str = "info", **app_kwargs: Any) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(engine, **app_kwargs), host=host, port=port, log_level=log_level,
-                timeout_keep_alive=30)
+    app = create_app(engine, **app_kwargs)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    finally:  # models loaded since start write their prefix caches to disk too
+        app.state.models.close_all()

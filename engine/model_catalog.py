@@ -360,8 +360,9 @@ def hub_cache_models() -> list[tuple[str, Path]]:
     return out
 
 
-def find_models(extra_dirs: list[str | Path] = (), include_bundled: bool = True) -> list[ModelInfo]:
-    """Every model on this machine, each folder once (the first source that names it wins)."""
+def model_locations(extra_dirs: list[str | Path] = (), include_bundled: bool = True) -> list[tuple[str, Path, str]]:
+    """(name, folder, source) of every model on this machine, each folder once (the first
+    source that names it wins). Cheap: reads no weights and builds nothing."""
     found: list[tuple[str, Path, str]] = []
     if include_bundled:
         found.append(("reference", REFERENCE_MODEL_DIR, "bundled"))
@@ -376,9 +377,16 @@ def find_models(extra_dirs: list[str | Path] = (), include_bundled: bool = True)
     out = []
     for name, path, source in found:
         key = path.resolve()
-        if key in seen:
-            continue
-        seen.add(key)
+        if key not in seen:
+            seen.add(key)
+            out.append((name, path, source))
+    return out
+
+
+def find_models(extra_dirs: list[str | Path] = (), include_bundled: bool = True) -> list[ModelInfo]:
+    """Every model on this machine, described."""
+    out = []
+    for name, path, source in model_locations(extra_dirs, include_bundled):
         info = describe(path, name, source)
         if source == "bundled":
             from .heads.registry import REFERENCE_DRAFTERS
@@ -386,11 +394,3 @@ def find_models(extra_dirs: list[str | Path] = (), include_bundled: bool = True)
             info.drafters = {p.name: str(p) for p in sorted(REFERENCE_DRAFTERS.glob("*")) if (p / "config.json").exists()}
         out.append(info)
     return out
-
-
-def resolve_model(name: str, extra_dirs: list[str | Path] = ()) -> Path | None:
-    """A known model's folder from the name `find_models` gives it (or its path)."""
-    for info in find_models(extra_dirs):
-        if name in (info.name, info.path):
-            return Path(info.path)
-    return None

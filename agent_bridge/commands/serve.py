@@ -22,6 +22,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
     p.add_argument("--root", default=None, help="workspace root for the MCP tools at /mcp (default: current directory)")
     p.add_argument("--no-mcp", action="store_true", help="don't serve MCP (streamable HTTP) at /mcp")
+    p.add_argument("--allow-switch", action="store_true",
+                   help="a request naming another model on this machine loads it (else a 404)")
+    p.add_argument("--max-models", type=int, default=1, metavar="N",
+                   help="models kept loaded at once; the least recently used idle one is released (default 1)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -34,6 +38,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
     if args.default_max_tokens < 1:
         raise CommandError("--default-max-tokens must be >= 1")
+    if args.max_models < 1:
+        raise CommandError("--max-models must be >= 1")
+
+    def load_engine(path: str):  # another model, with the same flags (its own registered drafters)
+        return engine_from_args(argparse.Namespace(**{**vars(args), "model": path, "drafter": None}), persistent=True)
+
     with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
@@ -44,5 +54,6 @@ def run(args: argparse.Namespace) -> int:
             mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
               default_max_tokens=args.default_max_tokens, model_name=args.model_name,
-              extra_routes=mcp_routes, lifespan=mcp_lifespan, models_dirs=args.models_dir)
+              extra_routes=mcp_routes, lifespan=mcp_lifespan, models_dirs=args.models_dir,
+              load_engine=load_engine, allow_switch=args.allow_switch, max_models=args.max_models)
     return 0
