@@ -38,9 +38,21 @@ log = logging.getLogger(__name__)
 CATALOG_TTL_S = 30.0
 
 
+class EngineHandle:
+    """The current model's engine for whoever holds one engine for good (the MCP tools at /mcp):
+    every attribute is looked up on the engine current at that moment."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
 class ModelRegistry:
     def __init__(self, first: Bridge, load_engine: Callable[[str], Any] | None, *, allow_switch: bool = False,
-                 max_models: int = 1, models_dirs: list[str] = (), context_window: int | None = None):
+                 max_models: int = 1, models_dirs: list[str] = (), context_window: int | None = None,
+                 handle: EngineHandle | None = None):
         if max_models < 1:
             raise ValueError("max_models must be >= 1")
         self.loaded: OrderedDict[str, Bridge] = OrderedDict({first.model_name: first})  # least recently used first
@@ -50,6 +62,7 @@ class ModelRegistry:
         self.max_models = max_models
         self.models_dirs = list(models_dirs)
         self.context_window = context_window  # the server's cap (--context-window), applied to each model
+        self.handle = handle
         self.leases: dict[str, int] = {}
         self.loading: dict[str, asyncio.Future] = {}
         self._load_lock: asyncio.Lock | None = None
@@ -118,7 +131,7 @@ class ModelRegistry:
     async def load(self, name: str, path: str) -> Bridge:
         """Load `path` beside the current model and make it current (one load at a time)."""
         if name in self.loaded:
-            self.current = name
+            self._make_current(name)
             return self.loaded[name]
         if name in self.loading:
             return await asyncio.shield(self.loading[name])
@@ -140,7 +153,8 @@ class ModelRegistry:
                 bridge = dataclasses.replace(bridge, metrics=first.metrics)  # one set of server metrics
                 self.loaded[name] = bridge
                 self._paths[name] = path
-                previous, self.current = self.current, name
+                previous = self.current
+                self._make_current(name)
                 log.info("model %s loaded in %.1f s; was %s", name, time.monotonic() - started, previous)
             future.set_result(bridge)
             self._evict()
@@ -152,6 +166,11 @@ class ModelRegistry:
             raise
         finally:
             self.loading.pop(name, None)
+
+    def _make_current(self, name: str) -> None:
+        self.current = name
+        if self.handle is not None:
+            self.handle.engine = self.loaded[name].engine
 
     def _evict(self) -> None:
         """Close least recently used idle models while more than max_models are loaded."""

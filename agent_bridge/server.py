@@ -171,12 +171,14 @@ def create_app(
     load_engine: Callable[[str], Any] | None = None,
     allow_switch: bool = False,
     max_models: int = 1,
+    engine_handle: Any = None,
 ) -> Starlette:
     """`load_engine(path)` builds an engine for another model (POST /v1/models/load, and
-    requests naming one with `allow_switch`); `max_models` stay loaded (model_registry.py)."""
+    requests naming one with `allow_switch`); `max_models` stay loaded (model_registry.py).
+    `engine_handle` (an EngineHandle given to the MCP tools) follows the current model."""
     bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
     registry = ModelRegistry(bridge, load_engine, allow_switch=allow_switch, max_models=max_models,
-                             models_dirs=list(models_dirs), context_window=context_window)
+                             models_dirs=list(models_dirs), context_window=context_window, handle=engine_handle)
     routes = [
         Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),

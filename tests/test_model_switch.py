@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from agent_bridge.model_registry import EngineHandle
 from agent_bridge.server import create_app
 from engine import Engine
 from engine.prefix_cache import cache_identity
@@ -78,7 +79,9 @@ def test_switch_under_load(models_dir, alone, tmp_path):
     load = lambda path: Engine(path, prefix_cache_dir=str(disk))  # noqa: E731
     alpha = load(str(models_dir / "alpha"))
     alpha_identity = alpha.call(lambda t: cache_identity(t, None))
-    app = create_app(alpha, model_name="alpha", load_engine=load, allow_switch=True, models_dirs=[str(models_dir)])
+    handle = EngineHandle(alpha)  # what the MCP tools hold
+    app = create_app(alpha, model_name="alpha", load_engine=load, allow_switch=True, models_dirs=[str(models_dir)],
+                     engine_handle=handle)
     registry = app.state.models
     with RunningServer(app) as srv:
         gate = threading.Event()
@@ -95,6 +98,7 @@ def test_switch_under_load(models_dir, alone, tmp_path):
         r = httpx.post(srv.url + "/v1/models/load", json={"model": "beta"}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["current"] == "beta" and r.json()["loaded"] == ["alpha", "beta"]  # alpha still busy
+        assert handle.engine is registry.loaded["beta"].engine and handle.model_path.endswith("beta")
         # New requests go to beta at once, not behind alpha's queue (no model, or a name nobody knows).
         assert _stream_text(srv.url, "", PROMPTS[1]) == ("beta", alone["beta"]["openai"][1])
         assert _stream_text(srv.url, "claude-sonnet-4-5", PROMPTS[2])[1] == alone["beta"]["openai"][2]
@@ -114,6 +118,7 @@ def test_switch_under_load(models_dir, alone, tmp_path):
         assert c.choices[0].message.content == alone["alpha"]["openai"][0]
         assert c.usage.prompt_tokens_details.cached_tokens > 0
         assert registry.current == "alpha" and list(registry.loaded) == ["alpha"]
+        assert handle.engine is registry.loaded["alpha"].engine and handle.engine is not alpha
         health = httpx.get(srv.url + "/health").json()
         assert health["model"] == "alpha" and health["models"]["loaded"] == ["alpha"]
     registry.close_all()
@@ -145,3 +150,38 @@ def test_without_allow_switch_a_known_model_is_a_404(models_dir, alone, tmp_path
         assert _stream_text(srv.url, "alpha", PROMPTS[2])[1] == alone["alpha"]["openai"][2]
         assert _stream_text(srv.url, "beta", PROMPTS[2])[1] == alone["beta"]["openai"][2]
     app.state.models.close_all()
+
+
+def test_serve_command_switches(models_dir, tmp_path):
+    """The CLI wiring: `serve --allow-switch --models-dir`, a load, then a request naming the first model."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    proc = subprocess.Popen([sys.executable, "-m", "agent_bridge", "serve", "--model", str(models_dir / "alpha"),
+                             "--models-dir", str(models_dir), "--allow-switch", "--port", str(port),
+                             "--prefix-cache-dir", str(tmp_path / "kv"), "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def up():
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        _wait(up, 120)
+        r = httpx.post(url + "/v1/models/load", json={"model": "beta"}, timeout=120)
+        assert r.status_code == 200 and r.json()["loaded"] == ["beta"], r.text  # --max-models 1: alpha released
+        assert httpx.get(url + "/health").json()["model"] == "beta"
+        assert _stream_text(url, "alpha", PROMPTS[0])[0] == "alpha"
+        assert httpx.get(url + "/health").json()["models"]["loaded"] == ["alpha"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

@@ -47,13 +47,17 @@ def run(args: argparse.Namespace) -> int:
     with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
+        from agent_bridge.model_registry import EngineHandle
+
+        handle = EngineHandle(engine)  # the MCP tools follow a model switch
         mcp_routes, mcp_lifespan = (), None
         if not args.no_mcp:
             from agent_bridge.mcp_server import http_mount
 
-            mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host)  # MCP at /mcp
+            mcp_routes, mcp_lifespan = http_mount(handle, root=args.root, host=args.host)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
               default_max_tokens=args.default_max_tokens, model_name=args.model_name,
               extra_routes=mcp_routes, lifespan=mcp_lifespan, models_dirs=args.models_dir,
-              load_engine=load_engine, allow_switch=args.allow_switch, max_models=args.max_models)
+              load_engine=load_engine, allow_switch=args.allow_switch, max_models=args.max_models,
+              engine_handle=handle)
     return 0
