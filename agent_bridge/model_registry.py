@@ -80,15 +80,16 @@ class ModelRegistry:
             self._catalog = (now, {name: str(path) for name, path, _ in model_locations(self.models_dirs)})
         return self._catalog[1]
 
-    def _locate(self, name: str) -> tuple[str, str] | None:
-        """(name, folder) of a model on this machine, by its listed name or (starting with
-        /, ~ or .) its folder; a folder already loaded under another name gives that name."""
+    def _locate(self, name: str, allow_paths: bool = False) -> tuple[str, str] | None:
+        """(name, folder) of a model on this machine, by its listed name or, with allow_paths
+        (POST /v1/models/load only: a request's `model` never opens arbitrary folders), its
+        folder; a folder already loaded under another name gives that name."""
         from pathlib import Path
 
         known = self._known()
         if name in known:
             path = known[name]
-        elif name.startswith(("/", "~", ".")) and (Path(name).expanduser() / "config.json").is_file():
+        elif allow_paths and name.startswith(("/", "~", ".")) and (Path(name).expanduser() / "config.json").is_file():
             path = str(Path(name).expanduser())
             name = next((k for k, p in known.items() if _same(p, path)), path)
         else:
@@ -254,7 +255,7 @@ async def load_model(request: Request):
     if name in registry.loaded:
         bridge = await registry.load(name, registry._paths.get(name, ""))
     else:
-        located = await anyio.to_thread.run_sync(registry._locate, name)
+        located = await anyio.to_thread.run_sync(registry._locate, name, True)
         if located is None:
             raise ApiError(404, f"model {name!r} not found on this machine (see GET /v1/models?all=1)",
                            code="model_not_found", param="model")

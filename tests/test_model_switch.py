@@ -125,8 +125,15 @@ def test_switch_under_load(models_dir, alone, tmp_path):
 
 
 def test_without_allow_switch_a_known_model_is_a_404(models_dir, alone, tmp_path):
-    load = lambda path: Engine(path, prefix_cache=False)  # noqa: E731
+    gate = threading.Event()
+
+    def load(path):  # a slow load: what arrives meanwhile for the current model waits for the switch
+        gate.wait(120)
+        return Engine(path, prefix_cache=False)
+
+    gate.set()
     alpha = load(str(models_dir / "alpha"))
+    gate.clear()
     app = create_app(alpha, model_name="alpha", load_engine=load, models_dirs=[str(models_dir)], max_models=2)
     with RunningServer(app) as srv:
         with pytest.raises(openai.NotFoundError) as e:
@@ -138,13 +145,28 @@ def test_without_allow_switch_a_known_model_is_a_404(models_dir, alone, tmp_path
         assert e.value.body["error"]["type"] == "not_found_error"
         # names this machine doesn't know are served by the current model, as agents expect
         assert _stream_text(srv.url, "gpt-5-codex", PROMPTS[0]) == ("gpt-5-codex", alone["alpha"]["openai"][0])
+        # a folder path in a request's `model` opens nothing (only POST /v1/models/load takes paths)
+        assert _stream_text(srv.url, str(models_dir / "beta"), PROMPTS[0])[1] == alone["alpha"]["openai"][0]
         r = httpx.post(srv.url + "/v1/models/load", json={"model": "gamma"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = httpx.post(srv.url + "/v1/models/load", json={"model": 7})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
         # the explicit load works without --allow-switch; with --max-models 2 both stay loaded
-        r = httpx.post(srv.url + "/v1/models/load", json={"model": str(models_dir / "beta")})
+        loaded: dict = {}
+        loader = threading.Thread(target=lambda: loaded.setdefault("r", httpx.post(
+            srv.url + "/v1/models/load", json={"model": str(models_dir / "beta")}, timeout=120)))
+        loader.start()
+        _wait(lambda: app.state.models.loading)
+        waiting = threading.Thread(target=lambda: loaded.setdefault("default", _stream_text(srv.url, "", PROMPTS[1])))
+        waiting.start()
+        time.sleep(1.0)
+        assert "default" not in loaded  # it waits for the model being loaded
+        gate.set()
+        loader.join(120)
+        waiting.join(120)
+        r = loaded["r"]
         assert r.status_code == 200 and r.json()["loaded"] == ["alpha", "beta"], r.text
+        assert loaded["default"] == ("beta", alone["beta"]["openai"][1])
         listed = _oai(srv.url).models.list()
         assert [(m.id, m.model_extra["current"]) for m in listed] == [("beta", True), ("alpha", False)]
         assert _stream_text(srv.url, "alpha", PROMPTS[2])[1] == alone["alpha"]["openai"][2]
