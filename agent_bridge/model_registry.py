@@ -36,6 +36,26 @@ from .job_stream import Bridge, read_json
 
 log = logging.getLogger(__name__)
 CATALOG_TTL_S = 30.0
+DEFAULT_MEMORY_SHARE = 0.75  # of physical memory, for the weights of all loaded models together
+
+
+def weights_bytes(path: str) -> int:
+    """What a model's weights take in memory, about: their files' size."""
+    from pathlib import Path
+
+    try:
+        return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+    except OSError:
+        return 0
+
+
+def default_memory_budget() -> int:
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MEMORY_SHARE)
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 class EngineHandle:
@@ -52,7 +72,7 @@ class EngineHandle:
 class ModelRegistry:
     def __init__(self, first: Bridge, load_engine: Callable[[str], Any] | None, *, allow_switch: bool = False,
                  max_models: int = 1, models_dirs: list[str] = (), context_window: int | None = None,
-                 handle: EngineHandle | None = None):
+                 handle: EngineHandle | None = None, memory_budget: int | None = None):
         if max_models < 1:
             raise ValueError("max_models must be >= 1")
         self.loaded: OrderedDict[str, Bridge] = OrderedDict({first.model_name: first})  # least recently used first
@@ -63,6 +83,7 @@ class ModelRegistry:
         self.models_dirs = list(models_dirs)
         self.context_window = context_window  # the server's cap (--context-window), applied to each model
         self.handle = handle
+        self.memory_budget = memory_budget or default_memory_budget()
         self.leases: dict[str, int] = {}
         self.loading: dict[str, asyncio.Future] = {}
         self._load_lock: asyncio.Lock | None = None
@@ -144,6 +165,7 @@ class ModelRegistry:
             if self._load_lock is None:
                 self._load_lock = asyncio.Lock()
             async with self._load_lock:
+                self._make_room(name, path)
                 started = time.monotonic()
                 try:
                     engine = await anyio.to_thread.run_sync(self.load_engine, path)
@@ -167,6 +189,22 @@ class ModelRegistry:
             raise
         finally:
             self.loading.pop(name, None)
+
+    def _make_room(self, name: str, path: str) -> None:
+        """Release idle models (not the current one) until the new one's weights fit beside
+        the rest in the memory budget; refuse clearly when they can't."""
+        need = weights_bytes(path)
+        for old in list(self.loaded):
+            used = sum(weights_bytes(self._paths.get(n, "")) for n in self.loaded)
+            if used + need <= self.memory_budget:
+                return
+            if old != self.current and self.leases.get(old, 0) == 0:
+                threading.Thread(target=_close, args=(self.loaded.pop(old),), daemon=True).start()
+        used = sum(weights_bytes(self._paths.get(n, "")) for n in self.loaded)
+        if used + need > self.memory_budget:
+            raise ApiError(400, f"model {name!r} ({need / 2**20:.0f} MB of weights) does not fit beside the loaded "
+                                f"{', '.join(map(repr, self.loaded))} ({used / 2**20:.0f} MB) in the memory budget of "
+                                f"{self.memory_budget / 2**20:.0f} MB (--models-memory-mb)", param="model")
 
     def _make_current(self, name: str) -> None:
         self.current = name

@@ -172,13 +172,15 @@ def create_app(
     allow_switch: bool = False,
     max_models: int = 1,
     engine_handle: Any = None,
+    models_memory_mb: float | None = None,
 ) -> Starlette:
     """`load_engine(path)` builds an engine for another model (POST /v1/models/load, and
     requests naming one with `allow_switch`); `max_models` stay loaded (model_registry.py).
     `engine_handle` (an EngineHandle given to the MCP tools) follows the current model."""
     bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
     registry = ModelRegistry(bridge, load_engine, allow_switch=allow_switch, max_models=max_models,
-                             models_dirs=list(models_dirs), context_window=context_window, handle=engine_handle)
+                             models_dirs=list(models_dirs), context_window=context_window, handle=engine_handle,
+                             memory_budget=int(models_memory_mb * 2**20) if models_memory_mb else None)
     routes = [
         Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),

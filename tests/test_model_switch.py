@@ -207,3 +207,16 @@ def test_serve_command_switches(models_dir, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def test_memory_budget_refuses_what_does_not_fit(models_dir):
+    alpha = Engine(str(models_dir / "alpha"), prefix_cache=False)
+    size_mb = sum(p.stat().st_size for p in (models_dir / "alpha").glob("*.safetensors")) / 2**20
+    app = create_app(alpha, model_name="alpha", load_engine=lambda p: Engine(p, prefix_cache=False), max_models=2,
+                     models_dirs=[str(models_dir)], models_memory_mb=size_mb * 1.5)
+    with RunningServer(app) as srv:
+        r = httpx.post(srv.url + "/v1/models/load", json={"model": "beta"}, timeout=120)
+        assert r.status_code == 400 and "does not fit beside the loaded 'alpha'" in r.json()["error"]["message"]
+        assert app.state.models.describe()["loaded"] == ["alpha"]  # nothing changed, still serving
+        assert _stream_text(srv.url, "", PROMPTS[0])[0] == "alpha"
+    app.state.models.close_all()

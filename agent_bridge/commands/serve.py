@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
                    help="a request naming another model on this machine loads it (else a 404)")
     p.add_argument("--max-models", type=int, default=1, metavar="N",
                    help="models kept loaded at once; the least recently used idle one is released (default 1)")
+    p.add_argument("--models-memory-mb", type=float, default=None, metavar="MB",
+                   help="weights of all loaded models together stay under this (default: 3/4 of the machine's memory)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -59,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
               default_max_tokens=args.default_max_tokens, model_name=args.model_name,
               extra_routes=mcp_routes, lifespan=mcp_lifespan, models_dirs=args.models_dir,
               load_engine=load_engine, allow_switch=args.allow_switch, max_models=args.max_models,
-              engine_handle=handle)
+              engine_handle=handle, models_memory_mb=args.models_memory_mb)
     return 0
