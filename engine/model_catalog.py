@@ -39,6 +39,7 @@ class ModelInfo:
     context_length: int | None = None
     cache_rollback: str = "?"  # "trimmable" (cut per token) or "checkpoints" (whole-state snapshots)
     drafters: dict[str, str] = field(default_factory=dict)  # mode -> path or hub id
+    drafters_to_download: list[str] = field(default_factory=list)  # registered modes not on this machine yet
     tool_call_format: str | None = None
     reasoning_format: str | None = None
     loads: bool = True
@@ -281,6 +282,14 @@ def heads_beside(path: Path, config: dict) -> dict[str, str]:
     return found
 
 
+def head_on_disk(spec: str) -> bool:
+    """A head folder, or a hub id whose snapshot is in the hub cache (nothing is fetched)."""
+    if Path(spec).expanduser().is_dir():
+        return True
+    repo = hub_cache_dir() / ("models--" + spec.replace("/", "--"))
+    return any((snap / "config.json").exists() for snap in (repo / "snapshots").glob("*"))
+
+
 def registered_heads(name: str) -> dict[str, str]:
     from .heads.registry import PUBLISHED, Entry, base_name
 
@@ -310,6 +319,7 @@ def describe(path: Path, name: str, source: str) -> ModelInfo:
     if problem and info.loads:
         info.loads, info.problem = False, problem
     info.drafters = {**registered_heads(name), **heads_beside(path, config)}
+    info.drafters_to_download = sorted(m for m, spec in info.drafters.items() if not head_on_disk(spec))
     info.tool_call_format, info.reasoning_format = chat_formats(path)
     return info
 

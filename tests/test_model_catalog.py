@@ -93,6 +93,7 @@ def test_every_source_is_found_and_described(env, tiny_model_dir):
     assert hub.source == "hf-cache" and hub.model_type == "qwen3" and hub.context_length == 4096
     assert hub.cache_rollback == "trimmable" and hub.loads
     assert set(hub.drafters) == {"dflash", "dspark"}  # registered heads for Qwen3-4B
+    assert hub.drafters_to_download == ["dflash", "dspark"]  # not in this hub cache
     assert hub.tool_call_format == "json_tools" and hub.reasoning_format == "<think>...</think>"
     size = sum(f.stat().st_size for f in tiny_model_dir.iterdir())
     assert hub.size_bytes == size  # the blobs behind the snapshot's symlinks
@@ -101,6 +102,7 @@ def test_every_source_is_found_and_described(env, tiny_model_dir):
     llama = found["tinyorg/tiny-llama"]
     assert llama.source == "lmstudio" and llama.model_type == "llama"
     assert llama.drafters == {"dflash": str(env["studio"] / "tiny-llama-DFlash")}  # the other head doesn't fit
+    assert llama.drafters_to_download == []
     q4 = found["tiny-q4"]
     assert q4.quantization == "4-bit (group 32)" and q4.parameters == n_params  # packed weights counted unpacked
     assert q4.size_bytes < size
@@ -143,6 +145,7 @@ def test_models_command_table_and_json(env):
     assert header == ["model", "source", "arch", "params", "quant", "size", "context", "rollback", "drafters",
                       "tools", "reasoning"]
     assert "tinyorg/tiny-llama" in r.stdout and "(!) half-downloaded: weights incomplete" in r.stdout
+    assert "dflash*, dspark*" in r.stdout  # the hub model's registered heads, not downloaded
 
 
 def test_v1_models_all_over_the_openai_sdk(env, tiny_engine):

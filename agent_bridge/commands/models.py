@@ -37,7 +37,8 @@ def format_table(models: list[dict]) -> str:
     for m in models:
         rows.append((m["name"] + ("" if m["loads"] else " (!)"), m["source"], m["model_type"], _params(m["parameters"]),
                      m["quantization"] or (m["dtype"] or "float"), _size(m["size_bytes"]),
-                     str(m["context_length"] or "?"), m["cache_rollback"], ", ".join(sorted(m["drafters"])) or "-",
+                     str(m["context_length"] or "?"), m["cache_rollback"],
+                     ", ".join(d + ("*" if d in m["drafters_to_download"] else "") for d in sorted(m["drafters"])) or "-",
                      m["tool_call_format"] or "-", m["reasoning_format"] or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -55,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(models, indent=2))
         return 0
     print(format_table(models))
-    print("\nrun one with --model NAME_OR_PATH; fetch a hub model with `mlx-dspark pull HUB_ID`")
+    print("\n* registered drafter head not downloaded yet: `mlx-dspark pull MODEL --drafter`")
+    print("run one with --model NAME_OR_PATH; fetch a hub model with `mlx-dspark pull HUB_ID`")
     return 0
