@@ -353,7 +353,7 @@ def hub_cache_dir() -> Path:
 
 
 def hub_cache_models() -> list[tuple[str, Path]]:
-    """(repo id, newest snapshot folder) of every model repo in the Hugging Face cache."""
+    """(repo id, newest snapshot folder) of every model repo in the Hugging Face cache (heads excepted)."""
     try:
         from huggingface_hub import scan_cache_dir
 
@@ -365,7 +365,8 @@ def hub_cache_models() -> list[tuple[str, Path]]:
         if repo.repo_type != "model" or not repo.revisions:
             continue
         newest = max(repo.revisions, key=lambda r: r.last_modified)
-        if (newest.snapshot_path / "config.json").exists():
+        config = read_config(Path(newest.snapshot_path))
+        if config is not None and not is_drafter(config):  # drafter heads are listed with their models
             out.append((repo.repo_id, Path(newest.snapshot_path)))
     return out
 

@@ -81,6 +81,7 @@ def test_pull_with_drafter_resumes_a_dropped_connection(tmp_path, repos):
                             env=env, timeout=180)
     names = {m["name"]: m for m in json.loads(listed.stdout)}
     assert names[REPO]["loads"] and names[REPO]["drafters_to_download"] == ["dspark"]  # the DFlash head was pulled
+    assert HEAD not in names  # a head is listed with its model, not as one
 
 
 def test_pull_after_the_process_was_killed_keeps_finished_files(tmp_path, repos):
