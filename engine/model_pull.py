@@ -10,6 +10,7 @@ config mlx-lm can build and every weight file whole, and a head must fit the mod
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,15 +81,49 @@ def check_model(path: Path) -> None:
         raise PullError(f"{path}: no tokenizer files")
 
 
-def download(repo_id: str, patterns: list[str], revision: str | None, progress: bool) -> Path:
+class _Nowhere:
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def reporting_bars(repo_id: str, on_progress):
+    """A tqdm class for snapshot_download that hands its counts to `on_progress` as events
+    ({"repo", "kind": "files" | "bytes", "done", "total"}) and draws nothing."""
+    from tqdm.auto import tqdm
+
+    kinds = {"Downloading bytes": "bytes"}
+    lock = threading.RLock()
+
+    class ReportingBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)  # huggingface_hub's own bar option
+            super().__init__(*args, **{**kwargs, "disable": False, "file": _Nowhere()})
+
+        def update(self, n=1):
+            with lock:  # files download in threads: counts go out in order
+                shown = super().update(n)
+                desc = str(self.desc or "")
+                kind = "files" if desc.startswith("Fetching") else kinds.get(desc)
+                if kind:
+                    on_progress({"repo": repo_id, "kind": kind, "done": int(self.n), "total": int(self.total or 0)})
+            return shown
+
+    return ReportingBar
+
+
+def download(repo_id: str, patterns: list[str], revision: str | None, progress: bool, on_progress=None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
     if not progress:
         disable_progress_bars()
+    bars = reporting_bars(repo_id, on_progress) if on_progress else None
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, tqdm_class=bars))
     except Exception as e:  # hub errors come in many kinds: one line for the user
         raise PullError(f"download of {repo_id} failed: {type(e).__name__}: {e}; run pull again to resume") from None
     finally:
@@ -96,14 +131,14 @@ def download(repo_id: str, patterns: list[str], revision: str | None, progress: 
             enable_progress_bars()
 
 
-def pull_head(head_id: str, target: Path, progress: bool, say=print) -> Path:
+def pull_head(head_id: str, target: Path, progress: bool, say=print, on_progress=None) -> Path:
     """Download a drafter head and check it fits the target (from both configs)."""
     from .heads.loading import DrafterLoadError, check_configs
     from .model_catalog import read_config
 
     probe(head_id)
     say(f"pulling drafter {head_id}")
-    path = download(head_id, HEAD_FILES, None, progress)
+    path = download(head_id, HEAD_FILES, None, progress, on_progress)
     head_config = read_config(path)
     if head_config is None:
         raise PullError(f"{head_id}: no config.json")
@@ -115,13 +150,14 @@ def pull_head(head_id: str, target: Path, progress: bool, say=print) -> Path:
 
 
 def pull(repo_id: str, revision: str | None = None, drafter: bool | str = False, progress: bool = True,
-         say=print) -> Pulled:
-    """Download `repo_id` (and with `drafter`, its registered heads, or the head named) and check them."""
+         say=print, on_progress=None) -> Pulled:
+    """Download `repo_id` (and with `drafter`, its registered heads, or the head named) and check them.
+    `progress` draws huggingface_hub's bars; `on_progress(event)` gets the counts instead (a web app)."""
     from .model_catalog import registered_heads
 
     probe(repo_id, revision)
     say(f"pulling {repo_id} from {endpoint()}")
-    path = download(repo_id, MODEL_FILES, revision, progress)
+    path = download(repo_id, MODEL_FILES, revision, progress, on_progress)
     check_model(path)
     result = Pulled(repo_id, path)
     heads = [drafter] if isinstance(drafter, str) else list(registered_heads(repo_id).values()) if drafter else []
@@ -129,7 +165,7 @@ def pull(repo_id: str, revision: str | None = None, drafter: bool | str = False,
         result.notes.append(f"no drafter head is registered for {repo_id}; lookup drafting needs none")
     for head_id in heads:
         try:
-            result.drafters[head_id] = pull_head(head_id, path, progress, say)
+            result.drafters[head_id] = pull_head(head_id, path, progress, say, on_progress)
         except PullError as e:
             if isinstance(drafter, str):  # the head the user named: its failure is the command's
                 raise

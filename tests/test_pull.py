@@ -108,6 +108,21 @@ def test_pull_after_the_process_was_killed_keeps_finished_files(tmp_path, repos)
     assert (snap / "model-00002-of-00002.safetensors").stat().st_size == (repos[REPO] / "model-00002-of-00002.safetensors").stat().st_size
 
 
+def test_pull_json_reports_progress(tmp_path, repos):
+    """`--json`: progress events a web app can show, then the result, one JSON object a line."""
+    with FakeHub({REPO: repos[REPO]}) as hub:
+        r = _pull([REPO, "--json"], _env(hub.url, tmp_path / "cache"))
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    files = [e for e in events if e.get("kind") == "files"]
+    received = [e for e in events if e.get("kind") == "bytes"]
+    total = sum(p.stat().st_size for p in repos[REPO].iterdir() if p.suffix in (".json", ".safetensors"))
+    assert [e["done"] for e in files] == list(range(1, len(files) + 1)) and files[-1]["total"] == len(files)
+    assert received[-1]["done"] == received[-1]["total"] == total
+    assert all(a["done"] <= b["done"] for a, b in zip(received, received[1:]))
+    assert events[-1]["ok"] and events[-1]["path"].endswith(hub.commits[REPO])
+
+
 def test_pull_refuses_an_incomplete_or_foreign_repo(tmp_path, repos, tiny_llama_dir):
     broken = shutil.copytree(repos[REPO], tmp_path / "broken")
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model.safetensors"}}
