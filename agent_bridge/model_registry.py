@@ -112,11 +112,11 @@ class ModelRegistry:
             path = known[name]
         elif allow_paths and name.startswith(("/", "~", ".")) and (Path(name).expanduser() / "config.json").is_file():
             path = str(Path(name).expanduser())
-            name = next((k for k, p in known.items() if _same(p, path)), path)
+            name = next((k for k, p in known.items() if same_folder(p, path)), path)
         else:
             return None
         for loaded_name, loaded_path in self._paths.items():
-            if loaded_name in self.loaded and _same(loaded_path, path):
+            if loaded_name in self.loaded and same_folder(loaded_path, path):
                 return loaded_name, loaded_path
         return name, path
 
@@ -239,11 +239,11 @@ def _close(bridge: Bridge) -> None:
         log.warning("model %s: close failed: %s", bridge.model_name, e)
 
 
-def _same(a: str, b: str) -> bool:
+def same_folder(a: str, b: str) -> bool:
     from pathlib import Path
 
     try:
-        return Path(a).resolve() == Path(b).resolve()
+        return bool(a and b) and Path(a).resolve() == Path(b).resolve()
     except OSError:
         return False
 

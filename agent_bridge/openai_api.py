@@ -15,7 +15,7 @@ from engine import Done, EngineError, PrefillProgress, Tokens
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
 from .job_stream import Bridge, ClientGone, EventStream, Generation, Heartbeat, read_json, sse
-from .model_registry import current_bridge, use_model
+from .model_registry import current_bridge, same_folder, use_model
 from .tool_calls import OutputParser, Segment, parse_text
 
 FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled": "stop"}
@@ -272,15 +272,6 @@ async def completions(request: Request):
     return EventStream(events(), gen)
 
 
-def _same_path(a: str, b: str) -> bool:
-    from pathlib import Path
-
-    try:
-        return bool(a and b) and Path(a).resolve() == Path(b).resolve()
-    except OSError:
-        return False
-
-
 def _model_card(bridge: Bridge) -> dict:
     return {"id": bridge.model_name, "object": "model", "created": 0, "owned_by": "mlx-dspark",
             "context_window": bridge.context_window}
@@ -299,7 +290,7 @@ async def list_models(request: Request):
 
         serving = {str(getattr(b.engine, "model_path", "")): c for b, c in zip(registry.loaded.values(), cards)}
         for info in await run_in_threadpool(find_models, getattr(request.app.state, "models_dirs", ())):
-            loaded = next((c for path, c in serving.items() if _same_path(info.path, path)), None)
+            loaded = next((c for path, c in serving.items() if same_folder(info.path, path)), None)
             if loaded is not None:
                 loaded["mlx_dspark"] = info.to_dict()
                 continue

@@ -10,7 +10,6 @@ identity (a later switch back starts warm). Every output equals that model's out
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
