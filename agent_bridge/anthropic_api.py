@@ -18,9 +18,11 @@ from starlette.routing import Route
 
 from engine import Done
 
-from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, get_stops, text_of, tool_call
+from .chat_request import (MAX_TOKENS_LIMIT, MEDIA_BLOCKS, ChatRequest, get, get_int, get_number, get_stops, media_text,
+                           text_of, tool_call)
 from .http_errors import ApiError, anthropic_body, bad_request
 from .job_stream import Bridge, EventStream, Generation, read_json, sse
+from .model_registry import use_model
 from .stream_driver import Wire, collect_text, cut_short, drive, whole_reply
 from .thinking_signature import ThinkingSigner
 from .tool_stream import CallArgs, CallEnd, CallStart, Reasoning, Reply, Text
@@ -52,24 +54,20 @@ def system_text(system: Any) -> str:
     return "\n".join(kept)
 
 
-def _tool_result_text(block: dict, where: str) -> str:
-    content = block.get("content", "")
-    if isinstance(content, list):
-        # Images a tool returned can't reach a text model: say so rather than fail the session.
-        content = [b if not (isinstance(b, dict) and b.get("type") == "image")
-                   else {"type": "text", "text": "[image omitted]"} for b in content]
-    text = text_of(content, where)
+def _tool_result_text(block: dict, where: str, omitted: list | None) -> str:
+    text = text_of(block.get("content", ""), where, omitted=omitted)  # images a tool returned: placeholders
     if block.get("is_error"):
         text = f"Error: {text}"
     return text
 
 
-def convert_messages(messages: list, signer: ThinkingSigner | None = None,
-                     notes: list[str] | None = None) -> tuple[list[dict], str]:
+def convert_messages(messages: list, signer: ThinkingSigner | None = None, notes: list[str] | None = None,
+                     omitted: list | None = None) -> tuple[list[dict], str]:
     """Anthropic messages -> normalised chat messages, plus a final assistant prefix if any.
 
     Thinking blocks this server signed go back to the template as the message's reasoning;
-    others are left out (thinking_signature.py says why), each with a line in `notes`."""
+    others are left out (thinking_signature.py says why), each with a line in `notes`.
+    Images and documents become placeholders, listed in `omitted`."""
     out: list[dict] = []
     prefix = ""
     notes = [] if notes is None else notes
@@ -84,9 +82,9 @@ def convert_messages(messages: list, signer: ThinkingSigner | None = None,
             raise bad_request(f"{where}.content: expected a string or an array of content blocks")
         if role == "system" or isinstance(content, str):
             if role == "assistant" and i == len(messages) - 1:
-                prefix = text_of(content, where)
+                prefix = text_of(content, where, omitted=omitted)
                 continue
-            out.append({"role": role, "content": text_of(content, where)})
+            out.append({"role": role, "content": text_of(content, where, omitted=omitted)})
             continue
         texts: list[str] = []
         calls: list[dict] = []
@@ -98,13 +96,16 @@ def convert_messages(messages: list, signer: ThinkingSigner | None = None,
             kind = b.get("type")
             if kind == "text":
                 texts.append(text_of([b], where))
+            elif kind in MEDIA_BLOCKS:
+                texts.append(media_text(b, bw, omitted))
             elif role == "user" and kind == "tool_result":
                 if not isinstance(b.get("tool_use_id"), str):
                     raise bad_request(f"{bw}.tool_use_id: expected a string")
                 if texts:  # keep the order the user wrote
                     out.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
-                out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": _tool_result_text(b, bw)})
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                            "content": _tool_result_text(b, bw, omitted)})
             elif role == "assistant" and kind == "tool_use":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str):
                     raise bad_request(f"{bw}: tool_use needs a string id and name")
@@ -118,7 +119,7 @@ def convert_messages(messages: list, signer: ThinkingSigner | None = None,
             elif role == "assistant" and kind == "redacted_thinking":
                 notes.append(f"{bw}: redacted_thinking was left out of the prompt (this server never redacts)")
             else:
-                text_of([b], where)  # raises the precise error for images, documents, unknown types
+                text_of([b], where)  # raises the precise error for an unknown type
         if role == "assistant":
             if i == len(messages) - 1 and not calls:
                 prefix = "\n".join(texts)
@@ -159,7 +160,8 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False,
     if not messages:
         raise bad_request("messages: at least one message is required", param="messages")
     notes: list[str] = []
-    converted, prefix = convert_messages(messages, signer, notes)
+    omitted: list[dict] = []
+    converted, prefix = convert_messages(messages, signer, notes, omitted)
     system = system_text(body.get("system"))
     if system:
         converted.insert(0, {"role": "system", "content": system})
@@ -203,6 +205,7 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False,
         assistant_prefix=prefix,
         forced_tool=None if count_only else forced,
         notes=notes,
+        omitted_content=omitted,
     )
 
 
@@ -237,16 +240,10 @@ def _content(reply: Reply, signer: ThinkingSigner) -> list[dict]:
     return out
 
 
-def _extras(done: Done, notes: list[str]) -> dict:
-    extras = done.stats.to_dict()
-    if notes:
-        extras["notes"] = notes
-    return extras
-
-
 async def messages(request: Request):
     bridge: Bridge = request.app.state.bridge
     req = parse_request(await read_json(request), bridge.default_max_tokens, signer=bridge.signer)
+    bridge = await use_model(request, req.model)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
@@ -261,7 +258,7 @@ async def messages(request: Request):
         "id": new_message_id(), "type": "message", "role": "assistant", "model": model,
         "content": _content(reply, bridge.signer), "stop_reason": reason, "stop_sequence": seq,
         "usage": _usage(len(ids), done.stats.cached_tokens, done.stats.generated_tokens),
-        "mlx_dspark": _extras(done, req.notes + parser.notes),
+        "mlx_dspark": req.extra(done.stats, parser.notes),
     })
 
 
@@ -336,7 +333,7 @@ class AnthropicWire(Wire):
         out.append(sse("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
             "usage": _usage(self.n_prompt, done.stats.cached_tokens, done.stats.generated_tokens),
-            "mlx_dspark": _extras(done, self.req.notes + self.parser.notes)}))
+            "mlx_dspark": self.req.extra(done.stats, self.parser.notes)}))
         out.append(sse("message_stop", {"type": "message_stop"}))
         return out
 
@@ -347,6 +344,7 @@ class AnthropicWire(Wire):
 async def count_tokens(request: Request):
     bridge: Bridge = request.app.state.bridge
     req = parse_request(await read_json(request), bridge.default_max_tokens, count_only=True, signer=bridge.signer)
+    bridge = await use_model(request, req.model)
     ids = await bridge.prompt_ids(req, check=False)
     return JSONResponse({"input_tokens": len(ids)})
 

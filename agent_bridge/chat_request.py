@@ -38,6 +38,7 @@ class ChatRequest:
     assistant_prefix: str = ""  # a final partial assistant message the model continues
     forced_tool: str | None = None  # tool_choice: None free, "" any tool, else that tool's name
     notes: list[str] = field(default_factory=list)  # said back in the response's `mlx_dspark.notes`
+    omitted_content: list[dict] = field(default_factory=list)  # images/documents a text model can't read
     # set while rendering:
     starts_thinking: bool = False  # the template opened a reasoning block in the generation prompt
     forced_prefix: str = ""  # the forced call's opening, appended to the prompt
@@ -61,6 +62,17 @@ class ChatRequest:
             sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed),
             stop=list(self.stop),
         )
+
+    def extra(self, stats: Any, parser_notes: list[str] = ()) -> dict:
+        """The response's `mlx_dspark` field: engine statistics, notes on the request and the reply
+        (`notes`), and what the model was not shown (`omitted_content`)."""
+        out = stats.to_dict()
+        notes = [*self.notes, *parser_notes]
+        if notes:
+            out["notes"] = notes
+        if self.omitted_content:
+            out["omitted_content"] = self.omitted_content
+        return out
 
 
 def render(engine: Any, req: ChatRequest) -> list[int]:
@@ -182,8 +194,51 @@ def get_stops(body: dict, name: str, list_only: bool = False) -> list[str]:
     return [s for s in stops if s]
 
 
-def text_of(content: Any, where: str, allowed: tuple = ("text",)) -> str:
-    """A message content (string or list of text parts) as one string."""
+# Blocks a text-only model can't read. One pasted image must not break an agent's session
+# (it stays in the history, so a 400 would fail every later turn): it becomes a short
+# placeholder, the same text every time so the cached prefix still matches.
+MEDIA_BLOCKS = ("image", "image_url", "input_image", "document", "input_file", "file", "input_audio")
+
+
+def placeholder(block: dict) -> tuple[str, dict]:
+    """(text the model sees, what the response lists) for one media block."""
+    kind = block.get("type")
+    label = {"image_url": "image", "input_image": "image", "input_file": "file", "input_audio": "audio"}.get(kind, kind)
+    note = {"type": label}
+    source = block.get("source")
+    if isinstance(source, dict) and isinstance(source.get("media_type"), str):
+        note["media_type"] = source["media_type"]
+    file = block.get("file") if isinstance(block.get("file"), dict) else {}
+    title = block.get("title") or block.get("filename") or file.get("filename")
+    name = ""
+    if isinstance(title, str) and title:
+        note["title"] = title[:200]
+        name = f" {title[:200]!r}"
+    return f"[{label}{name} omitted: this model reads text only]", note
+
+
+def document_text(block: dict) -> str | None:
+    """An Anthropic document whose source is plain text is text the model can read."""
+    source = block.get("source")
+    if block.get("type") == "document" and isinstance(source, dict) and source.get("type") == "text" \
+            and isinstance(source.get("data"), str):
+        title = block.get("title")
+        return (f"{title}\n\n" if isinstance(title, str) and title else "") + source["data"]
+    return None
+
+
+def media_text(block: dict, where: str, omitted: list | None) -> str:
+    text = document_text(block)
+    if text is None:
+        text, note = placeholder(block)
+        if omitted is not None:
+            omitted.append({"where": where, **note})
+    return text
+
+
+def text_of(content: Any, where: str, allowed: tuple = ("text",), omitted: list | None = None) -> str:
+    """A message content (string or list of text parts) as one string. Media blocks become a
+    placeholder, recorded (with where they were) in `omitted` when given."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -200,8 +255,8 @@ def text_of(content: Any, where: str, allowed: tuple = ("text",)) -> str:
             if not isinstance(text, str):
                 raise bad_request(f"{where}.content[{i}].text: expected a string")
             parts.append(text)
-        elif kind in ("image", "image_url", "input_image", "document", "input_file", "input_audio"):
-            raise bad_request(f"{where}.content[{i}]: this server's model takes text only ({kind} blocks unsupported)")
+        elif kind in MEDIA_BLOCKS:
+            parts.append(media_text(block, f"{where}.content[{i}]", omitted))
         else:
             raise bad_request(f"{where}.content[{i}]: unsupported content block type {kind!r}")
     return "\n".join(parts)
@@ -214,5 +269,5 @@ def check_context(prompt_ids: list[int], context_window: int) -> None:
         raise PromptTooLongError(len(prompt_ids), context_window)
 
 
-__all__ = ["ApiError", "ChatRequest", "MAX_TOKENS_LIMIT", "check_context", "fold_system_messages", "get",
-           "get_int", "get_number", "get_stops", "render", "text_of", "tool_call"]
+__all__ = ["ApiError", "ChatRequest", "MEDIA_BLOCKS", "MAX_TOKENS_LIMIT", "check_context", "fold_system_messages", "get",
+           "get_int", "get_number", "get_stops", "media_text", "placeholder", "render", "text_of", "tool_call"]

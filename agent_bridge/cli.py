@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": "generate",
     "doctor": "doctor",
     "models": "models",
+    "pull": "pull",
     "serve": "serve",
     "mcp": "mcp",
     "integrate": "integrate",

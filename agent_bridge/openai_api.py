@@ -15,6 +15,7 @@ from engine import Done, EngineError
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
 from .job_stream import Bridge, EventStream, read_json, sse, sse_comment
+from .model_registry import current_bridge, same_folder, use_model
 from .stream_driver import PlainText, Wire, collect_text, cut_short, drive, whole_reply
 from .tool_stream import CallArgs, CallStart, Reasoning, Text
 
@@ -22,7 +23,9 @@ FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled"
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def convert_messages(messages: list) -> list[dict]:
+def convert_messages(messages: list, omitted: list | None = None) -> list[dict]:
+    """OpenAI messages -> normalised chat messages; image/file/audio parts become placeholders
+    listed in `omitted`."""
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -31,7 +34,7 @@ def convert_messages(messages: list) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}", param="messages")
-        content = text_of(m.get("content"), where, allowed=("text", "input_text", "output_text"))
+        content = text_of(m.get("content"), where, allowed=("text", "input_text", "output_text"), omitted=omitted)
         if role == "developer":
             role = "system"
         if role in ("tool", "function"):
@@ -100,8 +103,10 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
     template_kwargs = {}
     if isinstance(body.get("chat_template_kwargs"), dict):  # vLLM/mlx-lm extension, e.g. enable_thinking
         template_kwargs.update(body["chat_template_kwargs"])
-    return ChatRequest(messages=convert_messages(messages), tools=tools if parse_tools else None,
+    omitted: list[dict] = []
+    return ChatRequest(messages=convert_messages(messages, omitted), tools=tools if parse_tools else None,
                        parse_tools=parse_tools, template_kwargs=template_kwargs, forced_tool=forced,
+                       omitted_content=omitted,
                        **sampling_fields(body, default_max_tokens))
 
 
@@ -143,13 +148,14 @@ async def chat_completions(request: Request):
     bridge: Bridge = request.app.state.bridge
     body = await read_json(request)
     req = parse_chat(body, bridge.default_max_tokens)
+    bridge = await use_model(request, req.model)
     include_usage = _include_usage(body)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     model = req.model or bridge.model_name
     parser = bridge.parser(req, gen)
     if req.stream:
-        return EventStream(drive(gen, parser, ChatWire(len(ids), model, include_usage, parser, req.notes)), gen)
+        return EventStream(drive(gen, parser, ChatWire(len(ids), model, include_usage, parser, req)), gen)
     text = await collect_text(gen)
     done = gen.done
     reply = whole_reply(parser, text, done)
@@ -164,7 +170,7 @@ async def chat_completions(request: Request):
     return JSONResponse({
         "id": _id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(done, reply.calls)}],
-        "usage": usage(len(ids), done), "mlx_dspark": _extras(done, req.notes + parser.notes),
+        "usage": usage(len(ids), done), "mlx_dspark": req.extra(done.stats, parser.notes),
     })
 
 
@@ -174,21 +180,13 @@ def _finish(done: Done, has_calls: Any) -> str:
     return "tool_calls" if has_calls else FINISH.get(done.finish_reason, "stop")
 
 
-def _extras(done: Done, notes: list[str]) -> dict:
-    extras = done.stats.to_dict()
-    if notes:
-        extras["notes"] = notes
-    return extras
-
-
 class ChatWire(Wire):
     """Chat completion chunks; keep-alives are SSE comments (the SDKs skip them). A call's
     first chunk has its index, id and name; the next ones add pieces of its arguments."""
 
-    def __init__(self, n_prompt: int, model: str, include_usage: bool, parser: Any = None,
-                 notes: list[str] | None = None):
+    def __init__(self, n_prompt: int, model: str, include_usage: bool, parser: Any, req: ChatRequest):
         self.n_prompt, self.include_usage = n_prompt, include_usage
-        self.parser, self.notes = parser, notes or []
+        self.parser, self.req = parser, req
         self.base = {"id": _id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()),
                      "model": model}
 
@@ -217,8 +215,7 @@ class ChatWire(Wire):
         return []
 
     def closing(self, done: Done, has_calls: bool) -> list[str]:
-        notes = self.notes + (self.parser.notes if self.parser is not None else [])
-        out = [self._chunk({}, _finish(done, has_calls), mlx_dspark=_extras(done, notes))]
+        out = [self._chunk({}, _finish(done, has_calls), mlx_dspark=self.req.extra(done.stats, self.parser.notes))]
         if self.include_usage:
             out.append(sse(None, {**self.base, "choices": [], "usage": usage(self.n_prompt, done)}))
         return out + ["data: [DONE]\n\n"]
@@ -267,6 +264,7 @@ async def completions(request: Request):
     bridge: Bridge = request.app.state.bridge
     body = await read_json(request)
     req, prompt = parse_completion(body, bridge.default_max_tokens)
+    bridge = await use_model(request, req.model)
     include_usage = _include_usage(body)
     ids = await bridge.encode(prompt) if isinstance(prompt, str) else list(prompt)
     try:
@@ -291,14 +289,33 @@ def _model_card(bridge: Bridge) -> dict:
 
 
 async def list_models(request: Request):
-    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.bridge)]})
+    """The served model; with `?all=1` also every model on this machine (engine.find_models)."""
+    bridge = current_bridge(request)
+    registry = request.app.state.models
+    cards = [{**_model_card(b), "loaded": True, "current": b is bridge} for b in registry.loaded.values()]
+    cards.sort(key=lambda c: not c["current"])
+    if request.query_params.get("all", "").lower() in ("1", "true", "yes"):
+        from starlette.concurrency import run_in_threadpool
+
+        from engine import find_models
+
+        serving = {str(getattr(b.engine, "model_path", "")): c for b, c in zip(registry.loaded.values(), cards)}
+        for info in await run_in_threadpool(find_models, getattr(request.app.state, "models_dirs", ())):
+            loaded = next((c for path, c in serving.items() if same_folder(info.path, path)), None)
+            if loaded is not None:
+                loaded["mlx_dspark"] = info.to_dict()
+                continue
+            cards.append({"id": info.name, "object": "model", "created": 0, "owned_by": info.source,
+                          "context_window": info.context_length, "loaded": False, "mlx_dspark": info.to_dict()})
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def get_model(request: Request):
-    bridge: Bridge = request.app.state.bridge
-    if request.path_params["model"] != bridge.model_name:
-        raise ApiError(404, f"model {request.path_params['model']!r} not found; this server serves {bridge.model_name!r}")
-    return JSONResponse(_model_card(bridge))
+    loaded = request.app.state.models.loaded
+    name = request.path_params["model"]
+    if name not in loaded:
+        raise ApiError(404, f"model {name!r} not found; this server serves {', '.join(map(repr, loaded))}")
+    return JSONResponse(_model_card(loaded[name]))
 
 
 routes = [

@@ -19,14 +19,15 @@ from engine import Done
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, get, get_int, get_number, text_of, tool_call
 from .http_errors import ApiError, bad_request, openai_body
 from .job_stream import Bridge, EventStream, read_json, sse, sse_comment
-from .openai_api import _extras, tool_choice
+from .model_registry import use_model
+from .openai_api import tool_choice
 from .stream_driver import Wire, collect_text, drive, whole_reply
 from .tool_stream import CallArgs, CallEnd, CallStart, Text, ToolCall
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-def convert_input(items: Any, instructions: str) -> list[dict]:
+def convert_input(items: Any, instructions: str, omitted: list | None = None) -> list[dict]:
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(items, str):
         return out + [{"role": "user", "content": items}]
@@ -43,7 +44,7 @@ def convert_input(items: Any, instructions: str) -> list[dict]:
                 raise bad_request(f"{where}.role: expected user, assistant, system or developer, got {role!r}",
                                   param="input")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": text_of(item.get("content"), where, allowed=TEXT_PARTS)})
+                        "content": text_of(item.get("content"), where, allowed=TEXT_PARTS, omitted=omitted)})
         elif kind in ("function_call", "custom_tool_call"):
             name, call_id = item.get("name"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(call_id, str):
@@ -58,7 +59,7 @@ def convert_input(items: Any, instructions: str) -> list[dict]:
             output = item.get("output", "")
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}.call_id: expected a string", param="input")
-            text = output if isinstance(output, str) else text_of(output, where, allowed=TEXT_PARTS)
+            text = output if isinstance(output, str) else text_of(output, where, allowed=TEXT_PARTS, omitted=omitted)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
             continue  # earlier reasoning is not shown to the model again
@@ -90,7 +91,8 @@ def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
         raise bad_request("previous_response_id: this server keeps no state; send the whole conversation as input",
                           param="previous_response_id")
     instructions = get(body, "instructions", (str,), "") or ""
-    messages = convert_input(get(body, "input", (str, list)), instructions)
+    omitted: list[dict] = []
+    messages = convert_input(get(body, "input", (str, list)), instructions, omitted)
     if not any(m["role"] != "system" for m in messages):
         raise bad_request("input: at least one item is required", param="input")
     parse_tools, forced = tool_choice(body)
@@ -102,6 +104,7 @@ def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
         temperature=get_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=get_number(body, "top_p", 1.0, 1e-9, 1.0),
         stream=get(body, "stream", (bool,), False),
+        omitted_content=omitted,
     )
 
 
@@ -121,7 +124,7 @@ def _item(kind: str, text: str = "", call: ToolCall | None = None) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def finish_response(response: dict, done: Done, n_prompt: int, notes: list[str] | None = None) -> dict:
+def finish_response(response: dict, done: Done, n_prompt: int, req: ChatRequest, notes: list[str]) -> dict:
     s = done.stats
     response["status"] = "incomplete" if done.finish_reason == "length" else "completed"
     if done.finish_reason == "length":
@@ -129,7 +132,7 @@ def finish_response(response: dict, done: Done, n_prompt: int, notes: list[str] 
     response["usage"] = {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": s.cached_tokens},
                          "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                          "total_tokens": n_prompt + s.generated_tokens}
-    response["mlx_dspark"] = _extras(done, notes or [])
+    response["mlx_dspark"] = req.extra(done.stats, notes)
     return response
 
 
@@ -137,6 +140,7 @@ async def responses(request: Request):
     bridge: Bridge = request.app.state.bridge
     body = await read_json(request)
     req = parse_request(body, bridge.default_max_tokens)
+    bridge = await use_model(request, req.model)
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     parser = bridge.parser(req, gen)
@@ -149,20 +153,20 @@ async def responses(request: Request):
         "store": False, "text": {"format": {"type": "text"}}, "usage": None, "metadata": {},
     }
     if req.stream:
-        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids), parser, req.notes)), gen)
+        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids), parser, req)), gen)
     text = await collect_text(gen)
     reply = whole_reply(parser, text, gen.done)
     response["output"] = [_item(b.kind, b.text, b.call) for b in reply.blocks]
-    return JSONResponse(finish_response(response, gen.done, len(ids), req.notes + parser.notes))
+    return JSONResponse(finish_response(response, gen.done, len(ids), req, parser.notes))
 
 
 class ResponsesWire(Wire):
     """Responses API events. Output items are built whole when they close: the open item is only
     its kind, id, index and text so far (nothing sent is changed afterwards)."""
 
-    def __init__(self, response: dict, n_prompt: int, parser: Any = None, notes: list[str] | None = None):
+    def __init__(self, response: dict, n_prompt: int, parser: Any, req: ChatRequest):
         self.response, self.n_prompt = response, n_prompt
-        self.parser, self.notes = parser, notes or []
+        self.parser, self.req = parser, req
         self.seq = 0
         self.open: dict | None = None  # {"kind": "text"|"reasoning"|"call", "id", "index", "text", "call"}
 
@@ -231,8 +235,7 @@ class ResponsesWire(Wire):
 
     def closing(self, done: Done, has_calls: bool) -> list[str]:
         out = self._close()
-        notes = self.notes + (self.parser.notes if self.parser is not None else [])
-        finish_response(self.response, done, self.n_prompt, notes)
+        finish_response(self.response, done, self.n_prompt, self.req, self.parser.notes)
         kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
         return out + [self._ev(kind, response=self.response)]
 

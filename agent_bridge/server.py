@@ -20,10 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, model_registry, openai_api, responses_api
 from .http_errors import ApiError, error_response
 from .job_stream import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, Bridge, ClientGone, read_json
 from .metrics import load_lines
+from .model_registry import LeaseMiddleware, ModelRegistry, current_bridge
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -35,9 +36,9 @@ MAX_CORPUS_CHARS = 2_000_000
 
 
 async def health(request: Request):
-    bridge: Bridge = request.app.state.bridge
+    bridge = current_bridge(request)
     return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window,
-                         "load": bridge.load()})
+                         "load": bridge.load(), "models": request.app.state.models.describe()})
 
 
 async def metrics(request: Request):
@@ -57,6 +58,7 @@ async def corpus(request: Request):
         raise ApiError(400, "path: expected a string", param="path")
     if len(text) > MAX_CORPUS_CHARS:
         raise ApiError(413, f"text is {len(text)} characters; the limit is {MAX_CORPUS_CHARS}")
+    bridge = current_bridge(request)
     ids = await bridge.encode(text)
     await anyio.to_thread.run_sync(bridge.engine.add_corpus, ids, path)  # indexing takes a while: off the loop
     return JSONResponse({"ok": True, "path": path, "tokens": len(ids)})
@@ -71,7 +73,7 @@ async def machine(request: Request):
 
     state = request.app.state
     if getattr(state, "machine", None) is None:
-        engine = state.bridge.engine
+        engine = current_bridge(request).engine
         kv_bits = getattr(engine, "kv_bits", None)
         state.machine = await run_in_threadpool(
             engine.call, lambda t: {**describe_platform(), "roofline": machine_report(t, kv_bits)})
@@ -176,14 +178,27 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     extra_routes: Sequence[Any] = (),
     lifespan: Any = None,
+    models_dirs: Sequence[str] = (),
+    load_engine: Callable[[str], Any] | None = None,
+    allow_switch: bool = False,
+    max_models: int = 1,
+    engine_handle: Any = None,
+    models_memory_mb: float | None = None,
 ) -> Starlette:
+    """`load_engine(path)` builds an engine for another model (POST /v1/models/load, and
+    requests naming one with `allow_switch`); `max_models` stay loaded (model_registry.py).
+    `engine_handle` (an EngineHandle given to the MCP tools) follows the current model."""
     bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name, max_queue)
+    registry = ModelRegistry(bridge, load_engine, allow_switch=allow_switch, max_models=max_models,
+                             models_dirs=list(models_dirs), context_window=context_window, handle=engine_handle,
+                             memory_budget=int(models_memory_mb * 2**20) if models_memory_mb else None)
     routes = [
         Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/machine", machine, methods=["GET"]),
         Route("/v1/corpus", corpus, methods=["POST"]),
+        *model_registry.routes,
         *openai_api.routes,
         *anthropic_api.routes,
         *responses_api.routes,
@@ -197,6 +212,9 @@ def create_app(
     )
     app.state.bridge = bridge
     app.state.max_body_bytes = max_body_bytes
+    app.state.models_dirs = list(models_dirs)  # where `GET /v1/models?all=1` also looks
+    app.state.models = registry
+    app.add_middleware(LeaseMiddleware, registry=registry)
     app.add_middleware(GuardMiddleware, bridge=bridge, api_key=api_key, routes=routes)
     return app
 
@@ -204,7 +222,7 @@ def create_app(
 def serve(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level: str = "info", **app_kwargs: Any) -> None:
     import uvicorn
 
-    app_kwargs["lifespan"] = closing_engine(engine, app_kwargs.get("lifespan"))
+    app_kwargs["lifespan"] = closing_models(app_kwargs.get("lifespan"))
     uvicorn.run(create_app(engine, **app_kwargs), host=host, port=port, log_level=log_level,
                 timeout_keep_alive=30, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
@@ -212,8 +230,9 @@ def serve(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_l
 SHUTDOWN_GRACE_S = 10  # open streams get this long after SIGTERM before they are cut
 
 
-def closing_engine(engine: Any, inner: Any = None):
-    """A lifespan that closes the engine (its disk tier written) when the server shuts down.
+def closing_models(inner: Any = None):
+    """A lifespan that closes every loaded model's engine (its disk tier written) when the
+    server shuts down.
 
     uvicorn re-raises SIGTERM/SIGINT once its own shutdown is done, which ends the process
     before any `with engine:` around `serve()` can close it: the lifespan runs before that."""
@@ -226,7 +245,7 @@ def closing_engine(engine: Any, inner: Any = None):
         async with (inner(app) if inner is not None else contextlib.nullcontext()):
             try:
                 yield
-            finally:
-                await run_in_threadpool(engine.close)
+            finally:  # models loaded since start write their prefix caches to disk too
+                await run_in_threadpool(app.state.models.close_all)
 
     return lifespan

@@ -31,6 +31,7 @@ from .engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
 from .errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .lookup import LookupDrafter
+from .model_catalog import ModelInfo, find_models, model_locations, pairing_problems, weights_missing
 from .models import REFERENCE_MODEL_DIR, default_model_path, local_models
 from .modes import available_modes
 from .platform import describe_platform, ensure_fast_blas
@@ -77,6 +78,11 @@ __all__ = [
     "available_modes",
     "default_model_path",
     "local_models",
+    "ModelInfo",
+    "find_models",
+    "model_locations",
+    "pairing_problems",
+    "weights_missing",
     "describe_platform",
     "ensure_fast_blas",
     "load_target",

@@ -138,6 +138,10 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
 
         self.model_path = str(model or default_model_path())
+        if drafter:  # a head for another model is refused before the model's weights load
+            from .heads.loading import precheck
+
+            precheck(drafter, self.model_path)
         self.default_mode = mode
         self.max_draft = max_draft
         self.prefill_chunk = prefill_chunk

@@ -84,14 +84,14 @@ def test_wrong_tensor_is_named(target, tc, tmp_path, mutate, match):
 def test_pairing_errors_are_clear(target, tc, tmp_path, tiny_llama_dir):
     wide = dict(tc, hidden_size=96, num_attention_heads=4, head_dim=24)
     path = random_head_checkpoint(tmp_path / "wide", dflash_config(wide, mask_token_id=0, target_layer_ids=[0]))
-    with pytest.raises(DrafterLoadError, match="fc expects 96 input features"):
+    with pytest.raises(DrafterLoadError, match="hidden size: the head's is 96, the model's 64"):
         load_head(path, target)
     deep = dflash_config(tc, mask_token_id=0, target_layer_ids=[0, 5])
     deep["num_target_layers"] = None
-    with pytest.raises(DrafterLoadError, match=r"tapped layers \[5\] do not exist"):
+    with pytest.raises(DrafterLoadError, match=r"layer taps: the head reads layers \[0, 5\], this model has 2"):
         load_head(random_head_checkpoint(tmp_path / "deep", deep), target)
     other = dflash_config(dict(tc, num_hidden_layers=36), mask_token_id=0, target_layer_ids=[0, 1])
-    with pytest.raises(DrafterLoadError, match="trained for a 36-layer target; this model has 2"):
+    with pytest.raises(DrafterLoadError, match="trained on a 36-layer model, this one has 2"):
         load_head(random_head_checkpoint(tmp_path / "other", other), target)
     vocab = dflash_config(dict(tc, vocab_size=tc["vocab_size"] + 1), mask_token_id=0, target_layer_ids=[0])
     with pytest.raises(DrafterLoadError, match="vocabulary"):
@@ -142,7 +142,7 @@ def test_modes_registry_and_engine_option(tiny_model_dir, tc, tmp_path):
             list(engine.generate(__import__("engine").GenerationRequest([5, 6, 7], max_tokens=2, mode="dspark")))
     bad = dflash_config(tc, mask_token_id=0, target_layer_ids=[0, 9])
     bad["num_target_layers"] = None
-    with pytest.raises(ModelLoadError, match="do not exist"):
+    with pytest.raises(ModelLoadError, match=r"layer taps: the head reads layers \[0, 9\]"):
         Engine(str(tiny_model_dir), drafter=str(random_head_checkpoint(tmp_path / "bad", bad)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .common import add_engine_args, add_max_edit_hunks, engine_from_args
+from .models import add_models_dir_arg
 
 
 def add_parser(sub) -> None:
@@ -13,6 +14,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Responses APIs")
     add_engine_args(p)
+    add_models_dir_arg(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
@@ -29,6 +31,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests past which new ones get 429/529 (default {DEFAULT_MAX_QUEUE})")
     add_max_edit_hunks(p)
+    p.add_argument("--allow-switch", action="store_true",
+                   help="a request naming another model on this machine loads it (else a 404)")
+    p.add_argument("--max-models", type=int, default=1, metavar="N",
+                   help="models kept loaded at once; the least recently used idle one is released (default 1)")
+    p.add_argument("--models-memory-mb", type=float, default=None, metavar="MB",
+                   help="weights of all loaded models together stay under this (default: 3/4 of the machine's memory)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -59,16 +67,27 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.max_edit_hunks < 1:
         raise CommandError("--max-edit-hunks must be >= 1")
+    if args.max_models < 1:
+        raise CommandError("--max-models must be >= 1")
+
+    def load_engine(path: str):  # another model, with the same flags (its own registered drafters)
+        return engine_from_args(argparse.Namespace(**{**vars(args), "model": path, "drafter": None}), persistent=True)
+
     with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
+        from agent_bridge.model_registry import EngineHandle
+
+        handle = EngineHandle(engine)  # the MCP tools follow a model switch
         mcp_routes, mcp_lifespan = (), None
         if not args.no_mcp:
             from agent_bridge.mcp_server import http_mount
 
-            mcp_routes, mcp_lifespan = http_mount(engine, root=args.root, host=args.host,
+            mcp_routes, mcp_lifespan = http_mount(handle, root=args.root, host=args.host,
                                                    max_edit_hunks=args.max_edit_hunks)  # MCP at /mcp
         serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_key=args.api_key,
               default_max_tokens=args.default_max_tokens, model_name=args.model_name, max_queue=args.max_queue,
-              extra_routes=mcp_routes, lifespan=mcp_lifespan)
+              extra_routes=mcp_routes, lifespan=mcp_lifespan, models_dirs=args.models_dir,
+              load_engine=load_engine, allow_switch=args.allow_switch, max_models=args.max_models,
+              engine_handle=handle, models_memory_mb=args.models_memory_mb)
     return 0

@@ -168,6 +168,31 @@ def check_pairing(head, target) -> None:
         raise DrafterLoadError(f"drafter mask_token_id {cfg.mask_token_id} is outside the model's embedding table")
 
 
+def check_configs(head_config: dict, target_config: dict, source: str = "drafter") -> None:
+    """Refuse a head trained for another model from the two config.json files alone (before
+    any weights load), naming every mismatch: hidden size, vocabulary, tapped layers."""
+    from ..model_catalog import pairing_problems
+
+    problems = pairing_problems(head_config, target_config)
+    if problems:
+        raise DrafterLoadError(f"{source} does not fit this model: " + "; ".join(problems))
+
+
+def precheck(drafter: str | Path, model: str | Path) -> None:
+    """The config-level pairing check for a drafter and a model on disk; skipped for what
+    isn't local yet (the full check runs when both are loaded)."""
+    from ..model_catalog import read_config
+
+    try:
+        head_dir = resolve_path(drafter, allow_download=False)
+    except DrafterLoadError:
+        return
+    target_config = read_config(Path(str(model)).expanduser())
+    head_config = read_config(head_dir)
+    if target_config is not None and head_config is not None:
+        check_configs(head_config, target_config, f"drafter {drafter}")
+
+
 def resolve_path(path_or_id: str | Path, allow_download: bool = True) -> Path:
     path = Path(str(path_or_id)).expanduser()
     if path.exists():
@@ -193,6 +218,8 @@ def load_head(path_or_id: str | Path, target=None, bits: int | None = None, allo
     except (OSError, json.JSONDecodeError) as e:
         raise DrafterLoadError(f"could not read {path / 'config.json'}: {e}") from None
     kind = kind_of(config)
+    if target is not None:
+        check_configs(config, target.config, f"drafter {path_or_id}")
     cfg = parse_config(config, kind)
     from .registry import published_mismatches
 
