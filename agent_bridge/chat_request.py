@@ -36,6 +36,9 @@ class ChatRequest:
     template_kwargs: dict = field(default_factory=dict)
     parse_tools: bool = True  # False when tool_choice is "none"
     assistant_prefix: str = ""  # a final partial assistant message the model continues
+    mode: str | None = None  # decoding mode and draft cap for this request (None: the server's)
+    max_draft: int | str | None = None
+    provenance: bool = False  # stream how each token was produced (the web app's colouring)
 
     def __post_init__(self) -> None:
         if not self.tools:  # a model's tool-call syntax is only read when the client offered tools
@@ -47,6 +50,8 @@ class ChatRequest:
             max_tokens=self.max_tokens,
             sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed),
             stop=list(self.stop),
+            mode=self.mode,
+            max_draft=self.max_draft,
         )
 
 

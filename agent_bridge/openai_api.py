@@ -104,7 +104,20 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
         template_kwargs.update(body["chat_template_kwargs"])
     return ChatRequest(messages=convert_messages(messages), tools=tools if parse_tools else None,
                        parse_tools=parse_tools, template_kwargs=template_kwargs,
-                       **sampling_fields(body, default_max_tokens))
+                       **sampling_fields(body, default_max_tokens), **extension_fields(body))
+
+
+def extension_fields(body: dict) -> dict:
+    """Our own request options, in an `mlx_dspark` object: {"mode", "max_draft", "provenance"}."""
+    ext = get(body, "mlx_dspark", (dict,), None) or {}
+    max_draft = ext.get("max_draft")
+    if max_draft is not None and max_draft != "auto" and (isinstance(max_draft, bool) or not isinstance(max_draft, int)
+                                                          or max_draft < 0):
+        raise bad_request("mlx_dspark.max_draft: expected a whole number >= 0 or 'auto'", param="mlx_dspark.max_draft")
+    mode = ext.get("mode")
+    if mode is not None and not isinstance(mode, str):
+        raise bad_request("mlx_dspark.mode: expected a string", param="mlx_dspark.mode")
+    return dict(mode=mode or None, max_draft=max_draft, provenance=bool(ext.get("provenance")))
 
 
 def _id(prefix: str) -> str:
@@ -133,7 +146,7 @@ async def chat_completions(request: Request):
     thinking = bridge.starts_thinking(ids)
     if req.stream:
         parser = OutputParser(bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
-        return EventStream(stream_chat(gen, ids, model, parser, include_usage), gen)
+        return EventStream(stream_chat(gen, ids, model, parser, include_usage, req.provenance), gen)
     text = await collect(gen)
     segs = parse_text(text, bridge.syntax, req.tools, parse_tools=req.parse_tools, thinking=thinking)
     message: dict = {"role": "assistant", "content": "".join(s.text for s in segs if s.kind == "text") or None}
@@ -163,7 +176,8 @@ async def collect(gen: Generation) -> str:
     return text
 
 
-async def stream_chat(gen: Generation, ids: list[int], model: str, parser: OutputParser, include_usage: bool):
+async def stream_chat(gen: Generation, ids: list[int], model: str, parser: OutputParser, include_usage: bool,
+                      provenance: bool = False):
     base = {"id": _id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     n_calls = 0
 
@@ -192,6 +206,9 @@ async def stream_chat(gen: Generation, ids: list[int], model: str, parser: Outpu
                 segs = parser.feed(event.text)
                 for seg in segs:
                     yield emit(seg)
+                if provenance and event.provenance:  # a chunk of its own: SDKs skip empty choices
+                    yield sse(None, {**base, "choices": [], "mlx_dspark": {"tokens": event.provenance,
+                                                                           "drafted": event.drafted}})
                 if beat.due(bool(segs)):
                     yield ": generating\n\n"
     except ApiError as e:

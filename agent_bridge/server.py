@@ -22,17 +22,25 @@ from starlette.routing import Route
 from . import anthropic_api, openai_api, responses_api
 from .http_errors import ApiError, error_response
 from .job_stream import DEFAULT_MAX_BODY_BYTES, Bridge, ClientGone, read_json
+from .telemetry import ClientMiddleware, Telemetry
+from .webapp import routes as webapp
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 4096
 OPEN_PATHS = ("/", "/health")  # reachable without the API key
+OPEN_PREFIXES = ("/ui/",)  # the web app's static files (the page then asks for the key)
 MAX_CORPUS_CHARS = 2_000_000
 
 
 async def health(request: Request):
     bridge: Bridge = request.app.state.bridge
     return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window})
+
+
+async def home(request: Request):
+    """A browser gets the web app; clients probing the base URL get /health's answer."""
+    return webapp.page(request) if webapp.wants_page(request) else await health(request)
 
 
 async def metrics(request: Request):
@@ -119,7 +127,8 @@ class GuardMiddleware:
             if not _origin_allowed(scope):
                 response = error_response(ApiError(403, "cross-origin requests from web pages are refused"), path)
                 return await response(scope, receive, send_wrapper)
-            if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
+            if self.api_key and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES) \
+                    and not self._authorized(scope):
                 response = error_response(ApiError(401, "invalid or missing API key: send "
                                                    "'Authorization: Bearer KEY' or 'x-api-key: KEY'"), path)
                 return await response(scope, receive, send_wrapper)
@@ -167,7 +176,7 @@ def create_app(
 ) -> Starlette:
     bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name)
     routes = [
-        Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
+        Route("/", home, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/machine", machine, methods=["GET"]),
@@ -175,6 +184,7 @@ def create_app(
         *openai_api.routes,
         *anthropic_api.routes,
         *responses_api.routes,
+        *webapp.routes,
         *extra_routes,
     ]
     app = Starlette(
@@ -185,6 +195,9 @@ def create_app(
     )
     app.state.bridge = bridge
     app.state.max_body_bytes = max_body_bytes
+    app.state.api_key = api_key
+    app.state.telemetry = Telemetry.watch(engine)
+    app.add_middleware(ClientMiddleware, telemetry=app.state.telemetry)
     app.add_middleware(GuardMiddleware, bridge=bridge, api_key=api_key, routes=routes)
     return app
 

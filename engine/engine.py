@@ -210,6 +210,20 @@ class Engine:
         """Prefix-cache counters (entries, bytes in RAM and on disk, hits...); None when it's off."""
         return self.prefix_cache.stats() if self.prefix_cache is not None else None
 
+    def cache_branches(self, limit: int = 40) -> list[dict]:
+        """The prefix cache's biggest radix-tree branches, with a text preview of each edge."""
+        if self.prefix_cache is None:
+            return []
+        rows = self.call(lambda t: self.prefix_cache.branches(limit))
+        for row in rows:
+            row["head"], row["tail"] = self.decode(row.pop("head_ids")), self.decode(row.pop("tail_ids"))
+        return rows
+
+    def drop_cache(self, disk: bool = False) -> None:
+        """Empty the prefix cache's RAM tier: to the disk tier (evict), or forgotten with it (clear)."""
+        if self.prefix_cache is not None:
+            self.call(lambda t: self.prefix_cache.drop(disk))
+
     def close(self) -> None:
         if not self._closed:
             if self.prefix_cache is not None:
@@ -324,8 +338,8 @@ class Engine:
             stats.add_round(rnd.drafted, rnd.accepted)
             if controller is not None:
                 controller.observe(rnd.drafted, rnd.accepted)
-            new_ids, text = [], ""
-            for tok in rnd.tokens:
+            new_ids, text, provenance = [], "", []
+            for i, tok in enumerate(rnd.tokens):
                 if tok in eos:
                     finish = "stop"
                     break
@@ -333,6 +347,7 @@ class Engine:
                 new_ids.append(tok)
                 delta, stopped = assembler.add(tok)
                 text += delta
+                provenance.append([delta, rnd.source if i < rnd.accepted else "target"])
                 if stopped:
                     finish = "stop_string"
                     break
@@ -342,7 +357,7 @@ class Engine:
             if stats.rounds == 1:
                 stats.ttft_s = time.perf_counter() - t0
             if new_ids or text:
-                job.emit(Tokens(new_ids, text))
+                job.emit(Tokens(new_ids, text, provenance, rnd.drafted))
         rounds.close()
         tail = assembler.finish()
         if tail:

@@ -27,6 +27,7 @@ class Round:
     drafted: int
     accepted: int
     seconds: float
+    source: str = ""  # the drafter whose tokens were accepted (per-token provenance for the APIs)
 
 
 def prefill(
@@ -103,4 +104,5 @@ def speculative_rounds(
             committed, len(draft_tokens), n, hidden=None if hidden is None else hidden[: n + 1]
         )
         y = nxt
-        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0)
+        source = (draft.source or drafter.name) if n else ""
+        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, source)
