@@ -21,6 +21,7 @@ COMMANDS = {
     "claude": "claude",
     "benchmark": "benchmark",
     "tune": "tune",
+    "ui": "ui",
 }
 
 

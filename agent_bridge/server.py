@@ -35,7 +35,8 @@ MAX_CORPUS_CHARS = 2_000_000
 
 async def health(request: Request):
     bridge: Bridge = request.app.state.bridge
-    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window})
+    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window,
+                         "api_key_required": bool(getattr(request.app.state, "api_key", None))})
 
 
 async def home(request: Request):

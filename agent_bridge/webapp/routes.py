@@ -146,8 +146,11 @@ def _integration_options(request: Request, scope: str, transport: str):
     if transport not in ("stdio", "http"):
         raise ApiError(400, "transport: expected 'stdio' or 'http'", param="transport")
     host = request.url.hostname or "127.0.0.1"
-    return Options(port=request.url.port or 80, host=host, scope=scope, transport=transport,
+    opts = Options(port=request.url.port or 80, host=host, scope=scope, transport=transport,
                    command=mcp_command(), model=request.app.state.bridge.model_name)
+    if request.app.state.api_key:  # the caller sent it: the clients need it too
+        opts.api_key = request.app.state.api_key
+    return opts
 
 
 async def integrations(request: Request):
