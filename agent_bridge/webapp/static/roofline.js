@@ -20,7 +20,7 @@ async function load() {
     ["memory bandwidth", `${fmt.n(r.bandwidth_gb_s, 1)} GB/s`],
     ["model weights", fmt.bytes(r.model_bytes)],
     ["plain-decode ceiling", `${fmt.n(r.plain_decode_ceiling_tok_s, 0)} tok/s`],
-    ["cost curve", curve.measured ? `tuned ${curve.measured_at || ""}` : "quick (not tuned)"],
+    ["cost curve", curve.measured ? `tuned ${(curve.measured_at || "").slice(0, 16).replace("T", " ")}` : "quick (not tuned)"],
     ["device", `${machine.device} · ${machine.blas || ""} · ${machine.cpu_count || "?"} cores`],
   ]);
   // Decode speed per depth (from the curve /machine used: the tuned one, else a quick
