@@ -107,6 +107,15 @@ def _origin_allowed(scope) -> bool:
     return True
 
 
+def _same_origin(scope) -> bool:
+    """The page served by this server itself (Origin == Host), e.g. opened from another machine."""
+    from urllib.parse import urlsplit
+
+    headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    origin, host = headers.get(b"origin"), headers.get(b"host")
+    return bool(origin and host) and urlsplit(origin).netloc == host
+
+
 class GuardMiddleware:
     """Origin and API key checks (the key on every route but /health), and request metrics."""
 
@@ -125,7 +134,9 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            if not _origin_allowed(scope):
+            # Another origin is refused; the page's own origin too unless a key guards the server
+            # (without one, a DNS-rebound page would look same-origin).
+            if not _origin_allowed(scope) and not (self.api_key and _same_origin(scope)):
                 response = error_response(ApiError(403, "cross-origin requests from web pages are refused"), path)
                 return await response(scope, receive, send_wrapper)
             if self.api_key and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES) \

@@ -34,7 +34,9 @@ CLIENT_SIGNS = (
     ("python-httpx", "httpx"), ("mozilla", "browser"),
 )
 
-current_client: contextvars.ContextVar[str] = contextvars.ContextVar("mlx_dspark_client", default="in-process")
+# Jobs submitted outside an HTTP API handler: in `serve` these are the MCP tools (their session
+# task does not inherit the /mcp request's context).
+current_client: contextvars.ContextVar[str] = contextvars.ContextVar("mlx_dspark_client", default="mcp tools")
 
 
 def client_name(user_agent: str, path: str = "", hint: str = "") -> str:
@@ -107,8 +109,9 @@ class Telemetry:
     def follow(self, job: Any, client: str) -> None:
         """Record `job`'s events as the engine emits them. Its first event may already be out
         (the engine can start before this runs): every event moves the phase on by itself."""
-        rec = JobRecord(next(self._ids), client, time.time(), mode=str(job.request.mode or ""),
-                        prompt_tokens=len(job.request.prompt_ids))
+        request = getattr(job, "request", None)
+        rec = JobRecord(next(self._ids), client, time.time(), mode=str(getattr(request, "mode", "") or ""),
+                        prompt_tokens=len(getattr(request, "prompt_ids", ()) or ()))
         with self._lock:
             self.jobs[rec.id] = rec
             self.totals["requests"] += 1

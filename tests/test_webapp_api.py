@@ -168,6 +168,14 @@ def test_api_key_guards_the_api_not_the_page(tiny_engine):
         aider = next(c for c in listed["clients"] if c["client"] == "aider")
         assert KEY in aider["files"][0]["text"]  # the clients get the key they need
         assert httpx.post(srv.url + "/v1/cache/clear").status_code == 401
+        # the page opened by another name (a LAN address): its own origin passes, with the key
+        lan = {"Host": f"box.lan:{srv.port}", "Origin": f"http://box.lan:{srv.port}", "x-api-key": KEY}
+        assert httpx.get(srv.url + "/v1/server", headers=lan).status_code == 200
+        other = {**lan, "Origin": "http://evil.example"}
+        assert httpx.get(srv.url + "/v1/server", headers=other).status_code == 403
+    with RunningServer(create_app(tiny_engine)) as srv:  # no key: a non-loopback origin is refused
+        lan = {"Host": f"box.lan:{srv.port}", "Origin": f"http://box.lan:{srv.port}"}
+        assert httpx.get(srv.url + "/v1/server", headers=lan).status_code == 403
 
 
 def test_client_names():

@@ -42,6 +42,7 @@ async function refresh() {
   history[0].push(Date.now() / 1000); history[1].push(s.ram_bytes); history[2].push(s.disk_bytes);
   if (history[0].length > 300) history.forEach((a) => a.shift());
   bytesPlot ??= plot($("#cache-plot"), {
+    scales: { x: { range: (u, min, max) => [max - 300, max + 5] } }, // the last 5 minutes
     series: [{}, { label: "RAM", stroke: "#2563eb", fill: "rgba(37,99,235,.1)", value: (u, v) => fmt.bytes(v) },
       { label: "disk", stroke: "#64748b", value: (u, v) => fmt.bytes(v) }],
     axes: [{}, { values: (u, vals) => vals.map(fmt.bytes), size: 70 }],

@@ -38,6 +38,7 @@ function makeCharts() {
       axes: [{ label: "tokens committed per forward" }, { label: "rounds" }],
     }, [[], []]),
     queue: plot($("#tel-queue"), {
+      scales: { x: { range: (u, min, max) => [max - 120, max + 1] }, y: { range: (u, min, max) => [0, Math.max(2, max + 1)] } },
       series: [{}, { label: "queued", stroke: "#dc2626" }, { label: "in flight", stroke: "#2563eb" }],
       axes: [{}, { label: "jobs" }],
     }, [[], [], []]),
