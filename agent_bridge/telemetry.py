@@ -1,8 +1,8 @@
 """What the engine is doing, live: every job from any client (HTTP APIs, MCP tools, the web
 app) with its phase, drafting by position, throughput over time, and which clients called.
 
-Fed by the engine's job events: `Telemetry.watch(engine)` wraps `engine.submit`, so each
-new job reports its events here as the engine thread emits them. `ClientMiddleware` names
+Fed by the engine's job events: `Telemetry.watch(engine)` adds an engine job observer that
+has each new job report its events here as the engine thread emits them. `ClientMiddleware` names
 the HTTP client behind each request (from its User-Agent) for the jobs it submits.
 Everything is kept in a few bounded structures under one lock; `snapshot()` is what the
 web app's telemetry stream sends (GET /v1/telemetry).
@@ -90,25 +90,17 @@ class Telemetry:
 
     @classmethod
     def watch(cls, engine: Any) -> "Telemetry":
-        """The telemetry of this engine, wrapping its `submit` once (idempotent)."""
-        inner = engine.submit
-        existing = getattr(inner, "telemetry", None)
-        if existing is not None:
-            return existing
+        """The telemetry of this engine: one per engine, which sees every job it is given."""
+        for observer in engine.job_observers:
+            if isinstance(getattr(observer, "__self__", None), cls):
+                return observer.__self__
         telemetry = cls()
-
-        def submit(request):
-            job = inner(request)
-            telemetry.follow(job, current_client.get())
-            return job
-
-        submit.telemetry = telemetry
-        engine.submit = submit
+        engine.job_observers.append(telemetry.follow)
         return telemetry
 
-    def follow(self, job: Any, client: str) -> None:
-        """Record `job`'s events as the engine emits them. Its first event may already be out
-        (the engine can start before this runs): every event moves the phase on by itself."""
+    def follow(self, job: Any) -> None:
+        """Record `job`'s events as the engine emits them (called before the job queues)."""
+        client = current_client.get()
         request = getattr(job, "request", None)
         rec = JobRecord(next(self._ids), client, time.time(), mode=str(getattr(request, "mode", "") or ""),
                         prompt_tokens=len(getattr(request, "prompt_ids", ()) or ()))

@@ -117,6 +117,7 @@ class Engine:
         self.max_draft = max_draft
         self.prefill_chunk = prefill_chunk
         self.corpus: collections.deque[list[int]] = collections.deque(maxlen=MAX_ENGINE_CORPUS_DOCS)
+        self.job_observers: list[Callable[[Job], None]] = []  # see each job before it queues (telemetry)
         self.target: Target | None = None
         self._work: queue.Queue = queue.Queue()
         self._closed = False
@@ -155,6 +156,8 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request)
+        for observe in self.job_observers:
+            observe(job)
         self._enqueue(lambda: self._run(job), job)
         return job
 
