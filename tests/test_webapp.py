@@ -346,6 +346,9 @@ def test_integrations_page_writes_a_config(browser, server):
     assert API_KEY in aider.find_element(By.TAG_NAME, "pre").text  # the server's key, for the client
     d.execute_script("window.scrollTo(0, 0)")
     screenshot(d, "integrations")
+    copy = aider.find_element(By.XPATH, ".//button[text()='Copy']")
+    copy.click()
+    wait(d, lambda: copy.text == "Copied", timeout=10)
     write = aider.find_element(By.CSS_SELECTOR, "button.primary")
     write.click()
     write.click()

@@ -186,3 +186,34 @@ def test_client_names():
     assert client_name("Mozilla/5.0", hint="mlx-dspark-webapp") == "web app"
     assert client_name("python-httpx/0.28", path="/mcp") == "mcp (httpx)"
     assert client_name("") == "unknown"
+
+
+def test_ui_command_opens_a_running_server_or_serves_first(server, tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from test_server_cli import REPO, free_port
+
+    env = dict(os.environ, MLX_DSPARK_NO_REEXEC="1", MLX_DSPARK_CACHE_DIR=str(tmp_path), BROWSER="true")
+    # a server answers: only the browser part (--no-browser prints the address)
+    p = subprocess.run([sys.executable, "-m", "agent_bridge.cli", "ui", "--port", str(server.port), "--no-browser"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and f"web app is at http://127.0.0.1:{server.port}/" in p.stdout, p.stderr
+    # none answers: it serves (serve's options pass through), then gives the address
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "agent_bridge.cli", "ui", "--port", str(port), "--no-browser",
+                             "--model", str(tiny_model_dir), "--no-mcp", "--log-level", "warning"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline, out = time.monotonic() + 120, ""
+        while "web app is at" not in out:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, out
+            out += line
+        page = httpx.get(f"http://127.0.0.1:{port}/", headers={"Accept": "text/html"})
+        assert page.status_code == 200 and "/ui/app.js" in page.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -39,6 +39,18 @@ export const fmt = {
   },
 };
 
+// The clipboard API needs a secure context (localhost is one; a LAN address is not).
+export async function copyText(text) {
+  if (navigator.clipboard?.writeText && window.isSecureContext) return navigator.clipboard.writeText(text);
+  const area = el("textarea", { style: "position:fixed;opacity:0" });
+  area.value = text;
+  document.body.append(area);
+  area.select();
+  const ok = document.execCommand("copy");
+  area.remove();
+  if (!ok) throw new Error("copy refused");
+}
+
 export function cards(container, items) {
   container.replaceChildren(...items.map(([k, v]) => el("div", { class: "card" }, el("div", { class: "v" }, v), el("div", { class: "k" }, k))));
 }

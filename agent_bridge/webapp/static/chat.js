@@ -1,7 +1,7 @@
 // Chat with the loaded model over the OpenAI chat API (streaming), kept in localStorage.
 // Each reply keeps its statistics (the final chunk's `mlx_dspark`) and, per token, how it
 // was produced (`mlx_dspark.tokens` chunks, asked for with mlx_dspark.provenance).
-import { $, el, fmt, server, stream } from "./app.js";
+import { $, copyText, el, fmt, server, stream } from "./app.js";
 
 const STORE = "mlx-dspark.chats";
 const SETTINGS = ["system", "temperature", "top_p", "top_k", "max_tokens", "seed", "mode", "max_draft"];
@@ -69,12 +69,8 @@ function renderBody(node, msg) {
   node.className = "body";
   node.innerHTML = DOMPurify.sanitize(marked.parse(msg.content || ""));
   for (const pre of node.querySelectorAll("pre")) {
-    pre.append(el("button", { class: "copy", type: "button", onclick: () => copyText(pre.querySelector("code")?.textContent ?? pre.textContent) }, "copy"));
+    pre.append(el("button", { class: "copy", type: "button", onclick: () => copyText(pre.querySelector("code")?.textContent ?? pre.textContent).catch(() => {}) }, "copy"));
   }
-}
-
-function copyText(text) {
-  if (navigator.clipboard?.writeText) return navigator.clipboard.writeText(text).catch(() => {});
 }
 
 function statsLine(msg) {

@@ -1,6 +1,6 @@
 // Per client: the config `mlx-dspark integrate CLIENT` writes (GET /v1/integrations), a copy
 // button, and "write it" (POST /v1/integrations/CLIENT/write: the same merge and backups).
-import { $, api, el, fmt } from "./app.js";
+import { $, api, copyText, el, fmt } from "./app.js";
 
 function seenBadge(seen) {
   return seen ? el("span", { class: "badge ok", title: seen.user_agent }, `seen: ${seen.requests} requests, ${fmt.ago(seen.last_seen)}`)
@@ -38,7 +38,7 @@ function clientCard(c, scope, transport) {
 
 function copy(text, button) {
   const done = () => { button.textContent = "Copied"; setTimeout(() => { button.textContent = "Copy"; }, 1500); };
-  if (navigator.clipboard?.writeText) navigator.clipboard.writeText(text).then(done, () => { button.textContent = "Copy failed"; });
+  copyText(text).then(done, () => { button.textContent = "Copy failed"; });
 }
 
 async function load() {
