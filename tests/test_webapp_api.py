@@ -217,3 +217,24 @@ def test_ui_command_opens_a_running_server_or_serves_first(server, tiny_model_di
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_telemetry_sees_mcp_tool_jobs(tiny_engine, tmp_path):
+    import asyncio
+
+    from mcp import Client
+
+    from agent_bridge.mcp_server import http_mount
+
+    routes, lifespan = http_mount(tiny_engine, root=tmp_path)
+    with RunningServer(create_app(tiny_engine, extra_routes=routes, lifespan=lifespan)) as srv:
+
+        async def go():
+            async with Client(f"{srv.url}/mcp") as client:
+                return await client.call_tool("generate", {"prompt": "def add(", "max_tokens": 6})
+
+        gen = asyncio.run(go())
+        snap = httpx.get(srv.url + "/v1/telemetry/snapshot").json()
+    n = gen.structured_content["stats"]["generated_tokens"]
+    assert any(j["client"].startswith("mcp") and j["generated"] == n for j in snap["recent"]), snap["recent"][:3]
+    assert any(name.startswith("mcp (") for name in snap["clients"])  # the /mcp requests themselves
