@@ -35,6 +35,14 @@ STREAM_EVERY_S = 0.5  # telemetry snapshots at most this often
 STREAM_IDLE_S = 5.0  # and at least this often (the throughput chart moves on)
 
 
+async def _optional_json(request: Request) -> dict:
+    """The JSON object body, or {} when there is none (these POSTs have defaults)."""
+    length = request.headers.get("content-length", "")
+    if length.strip() in ("", "0") and "chunked" not in request.headers.get("transfer-encoding", ""):
+        return {}
+    return await read_json(request)
+
+
 def wants_page(request: Request) -> bool:
     return request.method == "GET" and "text/html" in request.headers.get("accept", "")
 
@@ -83,7 +91,7 @@ async def cost_curve(request: Request):
 async def tune(request: Request):
     """Re-measure the cost curve, streaming progress. One at a time; requests wait meanwhile."""
     state = request.app.state
-    body = await read_json(request) if int(request.headers.get("content-length") or 0) else {}
+    body = await _optional_json(request)
     depths, repeats = body.get("depths"), body.get("repeats")
     if depths is not None and (not isinstance(depths, list) or not depths
                                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in depths)):
@@ -178,7 +186,7 @@ async def integration_write(request: Request):
     client = request.path_params["client"]
     if client not in CLIENTS:
         raise ApiError(404, f"unknown client {client!r}; choose from {', '.join(CLIENTS)}")
-    body = await read_json(request) if int(request.headers.get("content-length") or 0) else {}
+    body = await _optional_json(request)
     opts = _integration_options(request, body.get("scope", "project"), body.get("transport", "stdio"))
 
     def write() -> list[dict]:
