@@ -42,6 +42,9 @@ class ChatRequest:
     # set while rendering:
     starts_thinking: bool = False  # the template opened a reasoning block in the generation prompt
     forced_prefix: str = ""  # the forced call's opening, appended to the prompt
+    mode: str | None = None  # decoding mode and draft cap for this request (None: the server's)
+    max_draft: int | str | None = None
+    provenance: bool = False  # stream how each token was produced (the web app's colouring)
 
     def __post_init__(self) -> None:
         if not self.tools:  # a model's tool-call syntax is only read when the client offered tools
@@ -61,6 +64,8 @@ class ChatRequest:
             max_tokens=self.max_tokens,
             sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed),
             stop=list(self.stop),
+            mode=self.mode,
+            max_draft=self.max_draft,
         )
 
     def extra(self, stats: Any, parser_notes: list[str] = ()) -> dict:

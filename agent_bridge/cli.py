@@ -22,6 +22,7 @@ COMMANDS = {
     "claude": "claude",
     "benchmark": "benchmark",
     "tune": "tune",
+    "ui": "ui",
 }
 
 

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import Done, EngineError
+from engine import Done, EngineError, Tokens
 
 from .chat_request import MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from .http_errors import ApiError, bad_request, from_engine_error, openai_body
@@ -107,7 +107,20 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
     return ChatRequest(messages=convert_messages(messages, omitted), tools=tools if parse_tools else None,
                        parse_tools=parse_tools, template_kwargs=template_kwargs, forced_tool=forced,
                        omitted_content=omitted,
-                       **sampling_fields(body, default_max_tokens))
+                       **sampling_fields(body, default_max_tokens), **extension_fields(body))
+
+
+def extension_fields(body: dict) -> dict:
+    """Our own request options, in an `mlx_dspark` object: {"mode", "max_draft", "provenance"}."""
+    ext = get(body, "mlx_dspark", (dict,), None) or {}
+    max_draft = ext.get("max_draft")
+    if max_draft is not None and max_draft != "auto" and (isinstance(max_draft, bool) or not isinstance(max_draft, int)
+                                                          or max_draft < 0):
+        raise bad_request("mlx_dspark.max_draft: expected a whole number >= 0 or 'auto'", param="mlx_dspark.max_draft")
+    mode = ext.get("mode")
+    if mode is not None and not isinstance(mode, str):
+        raise bad_request("mlx_dspark.mode: expected a string", param="mlx_dspark.mode")
+    return dict(mode=mode or None, max_draft=max_draft, provenance=bool(ext.get("provenance")))
 
 
 def tool_choice(body: dict) -> tuple[bool, str | None]:
@@ -214,6 +227,13 @@ class ChatWire(Wire):
                                                  "function": {"arguments": event.text}}]})]
         return []
 
+    def tokens(self, event: Tokens) -> list[str]:
+        if not (self.req.provenance and event.provenance):
+            return []
+        # a chunk of its own: the SDKs skip chunks with no choices
+        return [sse(None, {**self.base, "choices": [], "mlx_dspark": {"tokens": event.provenance,
+                                                                      "drafted": event.drafted}})]
+
     def closing(self, done: Done, has_calls: bool) -> list[str]:
         out = [self._chunk({}, _finish(done, has_calls), mlx_dspark=self.req.extra(done.stats, self.parser.notes))]
         if self.include_usage:
@@ -239,6 +259,9 @@ class CompletionWire(ChatWire):
 
     def segment(self, event) -> list[str]:
         return [self._chunk(event.text)]
+
+    def tokens(self, event: Tokens) -> list[str]:
+        return []
 
     def closing(self, done: Done, has_calls: bool) -> list[str]:
         out = [self._chunk("", FINISH.get(done.finish_reason, "stop"), mlx_dspark=done.stats.to_dict())]

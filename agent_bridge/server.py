@@ -25,6 +25,8 @@ from .http_errors import ApiError, error_response
 from .job_stream import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, Bridge, ClientGone, read_json
 from .metrics import load_lines
 from .model_registry import LeaseMiddleware, ModelRegistry, current_bridge
+from .telemetry import ClientMiddleware, Telemetry
+from .webapp import routes as webapp
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -32,13 +34,20 @@ DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_BATCH = 4  # side requests (titles, sub-agents) don't wait for the main loop's long turn
 OPEN_PATHS = ("/", "/health")  # reachable without the API key
 MAX_HEADER_BYTES = 64 * 1024  # all request headers together; more is no client we serve
+OPEN_PREFIXES = ("/ui/",)  # the web app's static files (the page then asks for the key)
 MAX_CORPUS_CHARS = 2_000_000
 
 
 async def health(request: Request):
     bridge = current_bridge(request)
     return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window,
-                         "load": bridge.load(), "models": request.app.state.models.describe()})
+                         "load": bridge.load(), "models": request.app.state.models.describe(),
+                         "api_key_required": bool(getattr(request.app.state, "api_key", None))})
+
+
+async def home(request: Request):
+    """A browser gets the web app; clients probing the base URL get /health's answer."""
+    return webapp.page(request) if webapp.wants_page(request) else await health(request)
 
 
 async def metrics(request: Request):
@@ -106,6 +115,15 @@ def _origin_allowed(scope) -> bool:
     return True
 
 
+def _same_origin(scope) -> bool:
+    """The page served by this server itself (Origin == Host), e.g. opened from another machine."""
+    from urllib.parse import urlsplit
+
+    headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    origin, host = headers.get(b"origin"), headers.get(b"host")
+    return bool(origin and host) and urlsplit(origin).netloc == host
+
+
 class GuardMiddleware:
     """Origin and API key checks (the key on every route but /health), and request metrics."""
 
@@ -129,10 +147,13 @@ class GuardMiddleware:
                 response = error_response(ApiError(431, f"request headers are {header_bytes} bytes; "
                                                    f"the limit is {MAX_HEADER_BYTES}"), path)
                 return await response(scope, receive, send_wrapper)
-            if not _origin_allowed(scope):
+            # Another origin is refused; the page's own origin too unless a key guards the server
+            # (without one, a DNS-rebound page would look same-origin).
+            if not _origin_allowed(scope) and not (self.api_key and _same_origin(scope)):
                 response = error_response(ApiError(403, "cross-origin requests from web pages are refused"), path)
                 return await response(scope, receive, send_wrapper)
-            if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
+            if self.api_key and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES) \
+                    and not self._authorized(scope):
                 response = error_response(ApiError(401, "invalid or missing API key: send "
                                                    "'Authorization: Bearer KEY' or 'x-api-key: KEY'"), path)
                 return await response(scope, receive, send_wrapper)
@@ -193,7 +214,7 @@ def create_app(
                              models_dirs=list(models_dirs), context_window=context_window, handle=engine_handle,
                              memory_budget=int(models_memory_mb * 2**20) if models_memory_mb else None)
     routes = [
-        Route("/", health, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
+        Route("/", home, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/machine", machine, methods=["GET"]),
@@ -202,6 +223,7 @@ def create_app(
         *openai_api.routes,
         *anthropic_api.routes,
         *responses_api.routes,
+        *webapp.routes,
         *extra_routes,
     ]
     app = Starlette(
@@ -214,7 +236,10 @@ def create_app(
     app.state.max_body_bytes = max_body_bytes
     app.state.models_dirs = list(models_dirs)  # where `GET /v1/models?all=1` also looks
     app.state.models = registry
+    app.state.api_key = api_key
+    app.state.telemetry = Telemetry.watch(engine)
     app.add_middleware(LeaseMiddleware, registry=registry)
+    app.add_middleware(ClientMiddleware, telemetry=app.state.telemetry)
     app.add_middleware(GuardMiddleware, bridge=bridge, api_key=api_key, routes=routes)
     return app
 

@@ -35,6 +35,11 @@ class Wire:
         """One parser event (tool_stream.events: Text, Reasoning, CallStart, CallArgs, CallEnd)."""
         raise NotImplementedError
 
+    def tokens(self, event: Tokens) -> list[str]:
+        """After a batch of committed tokens' segments: extra events about the tokens themselves
+        (how each was produced, for the web app); none by default."""
+        return []
+
     def closing(self, done: Done, has_calls: bool) -> list[str]:
         raise NotImplementedError
 
@@ -75,6 +80,8 @@ async def drive(gen: Generation, parser: Any, wire: Wire) -> AsyncIterator[str]:
                 for seg in segs:
                     for line in wire.segment(seg):
                         yield line
+                for line in wire.tokens(event):
+                    yield line
                 if beat.due(bool(segs)):
                     for line in wire.ping(None):
                         yield line

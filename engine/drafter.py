@@ -22,6 +22,7 @@ class Draft:
     # A verbatim copy of earlier text (a long lookup match): it may run past the round's
     # adaptive cap up to the hard one, since its acceptance doesn't follow the cap's model.
     verbatim: bool = False
+    source: str = ""  # who proposed it when a drafter mixes sources (a head's lookup override); "": the drafter
 
 
 class Drafter:

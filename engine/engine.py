@@ -151,6 +151,7 @@ class Engine:
         # documents to draft from (files agents read), indexed once on arrival, one per path
         self.corpus: collections.OrderedDict[str, TokenIndex] = collections.OrderedDict()
         self._corpus_lock = threading.Lock()
+        self.job_observers: list[Callable[[Job], None]] = []  # see each job before it queues (telemetry)
         self.target: Target | None = None
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch!r}")
@@ -203,6 +204,8 @@ class Engine:
         """Queue a generation; a request the engine can't run raises here (EngineError)."""
         self._check_request(request)
         job = Job(request)
+        for observe in self.job_observers:
+            observe(job)
         with self._queue_lock:  # the same lock as close(): no job slips in after the engine stops
             if self._closed:
                 raise EngineError("engine is closed")
@@ -299,6 +302,20 @@ class Engine:
         """Wait until the prefix cache's queued disk writes are done (from any thread, without
         waiting for the engine thread): what a SIGTERM handler calls before the process ends."""
         return self.prefix_cache.flush(timeout) if self.prefix_cache is not None else True
+
+    def cache_branches(self, limit: int = 40) -> list[dict]:
+        """The prefix cache's biggest radix-tree branches, with a text preview of each edge."""
+        if self.prefix_cache is None:
+            return []
+        rows = self.call(lambda t: self.prefix_cache.branches(limit))
+        for row in rows:
+            row["head"], row["tail"] = self.decode(row.pop("head_ids")), self.decode(row.pop("tail_ids"))
+        return rows
+
+    def drop_cache(self, disk: bool = False) -> None:
+        """Empty the prefix cache's RAM tier: to the disk tier (evict), or forgotten with it (clear)."""
+        if self.prefix_cache is not None:
+            self.call(lambda t: self.prefix_cache.drop(disk))
 
     def close(self) -> None:
         if not self._closed:
@@ -482,7 +499,7 @@ class Engine:
             stats.add_round(rnd.drafted, rnd.accepted)
             if controller is not None:
                 controller.observe(rnd.drafted, rnd.accepted)
-            new_ids, text = [], ""
+            new_ids, text, provenance = [], "", []
             for used, tok in enumerate(rnd.tokens, 1):
                 if tok in eos:
                     finish = "stop"
@@ -492,6 +509,7 @@ class Engine:
                 with self.tokenizer_lock:
                     delta, stopped = assembler.add(tok)
                 text += delta
+                provenance.append([delta, rnd.source if used <= rnd.accepted else "target"])
                 if stopped:
                     finish = "stop_string"
                     break
@@ -511,7 +529,7 @@ class Engine:
                 stats.ttft_s = time.perf_counter() - t0
             job.generated = len(out)
             if new_ids or text:
-                job.emit(Tokens(new_ids, text))
+                job.emit(Tokens(new_ids, text, provenance, rnd.drafted))
         rounds.close()
         if drafter is not None:
             drafter.finish()

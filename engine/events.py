@@ -15,6 +15,11 @@ class PrefillProgress:
 class Tokens:
     token_ids: list[int]
     text: str  # text delta, stop strings already cut
+    # How each token was produced: [text delta, source] with source a drafter's name (an
+    # accepted draft token) or "target" (the target's own); the deltas join to `text` less a
+    # held-back tail. `drafted`: draft tokens the round proposed.
+    provenance: list[list[str]] = field(default_factory=list)
+    drafted: int = 0
 
 
 @dataclass

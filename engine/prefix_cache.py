@@ -368,6 +368,54 @@ class PrefixCache:
         self.evictions += 1
 
 
+    # -- a view for people (the web app's cache page), on the engine thread ---------------
+
+    def branches(self, limit: int = 40) -> list[dict]:
+        """The biggest branches of the radix tree (parents before children): which prompts are
+        cached and how deep. `ids` are the edge's first and last tokens, for a preview."""
+        if self.kind == "checkpoint":
+            return [{"id": i, "parent": None, "start": 0, "end": len(t), "tokens": len(t), "subtree_tokens": len(t),
+                     "leaves": 1, "ram_bytes": _cache_nbytes(c), "on_disk": False, "age": self.tree.clock - used,
+                     "head_ids": list(t[:24]), "tail_ids": list(t[-24:])}
+                    for i, (t, (c, used)) in enumerate(self.checkpoints.items())][:limit]
+        info: dict = {}  # node -> [start depth, subtree tokens, leaves]
+        order, stack = [], [(n, 0) for n in self.tree.root.children.values()]
+        while stack:
+            node, start = stack.pop()
+            order.append(node)
+            info[node] = [start, len(node.tokens), 0]
+            stack.extend((c, start + len(node.tokens)) for c in node.children.values())
+        for node in reversed(order):  # children before parents: sum the subtrees up
+            if node.is_leaf():
+                info[node][2] = 1
+            if node.parent in info:
+                info[node.parent][1] += info[node][1]
+                info[node.parent][2] += info[node][2]
+        chosen = sorted(order, key=lambda n: -info[n][1])[:limit]
+        keep = set(chosen)
+        ids = {n: i for i, n in enumerate(chosen)}
+        chosen.sort(key=lambda n: (info[n][0], -info[n][1]))
+        return [{"id": ids[n], "parent": ids.get(n.parent) if n.parent in keep else None,
+                 "start": info[n][0], "end": info[n][0] + len(n.tokens), "tokens": len(n.tokens),
+                 "subtree_tokens": info[n][1], "leaves": info[n][2], "ram_bytes": n.nbytes, "on_disk": n.on_disk,
+                 "age": self.tree.clock - n.last_used, "head_ids": n.tokens[:24], "tail_ids": n.tokens[-24:]}
+                for n in chosen]
+
+    def drop(self, disk: bool = False) -> None:
+        """Empty the RAM tier. disk=False (evict): segments go to the disk tier first, as on
+        close; disk=True (clear): they are forgotten, and the disk tier's files deleted too."""
+        if disk:
+            if self.disk is not None:
+                for entry in list(self.disk.by_end.values()):
+                    self.disk._drop(entry, unlink=True)
+            self.tree = RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
+            self.checkpoints.clear()
+            self.checkpoint_bytes = self.checkpoint_tokens = 0
+        else:
+            self.close()
+        self._pinned.clear()
+
+
 def _cache_nbytes(cache: list) -> int:
     total = 0
     for c in cache:

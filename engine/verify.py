@@ -33,6 +33,7 @@ class Round:
     # keep_only(u): the caller used only the first u >= 1 of `tokens` (a stop mid-round);
     # leave the cache as if the round had committed just those. Call it right after the round.
     keep_only: Callable[[int], None] | None = None
+    source: str = ""  # the drafter whose tokens were accepted (per-token provenance for the APIs)
 
 
 def prefill(
@@ -116,4 +117,5 @@ def speculative_rounds(
         if draft_tokens:
             def keep_only(u, before=before, inputs=inputs, held=n + 1):
                 take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache))
-        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only)
+        source = (draft.source or drafter.name) if n else ""
+        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source)

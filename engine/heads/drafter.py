@@ -87,7 +87,7 @@ class HeadDrafter(Drafter):
             found = self.lookup.propose(LOOKUP_QUERY)
             if len(found.tokens) >= 2 * LOOKUP_OVERRIDE:
                 self.source = "lookup"
-                return Draft(found.tokens, verbatim=True)
+                return Draft(found.tokens, verbatim=True, source="lookup")
         if max_len <= 0:
             return Draft([])
         self._flush()

@@ -1,0 +1,56 @@
+"""The web app's one door to the engine's tuning and cache: everything it reads about cost
+curves and the prefix cache goes through these functions (the engine's public API), so that
+moving code inside engine/ touches this file only."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def cost_curve(engine: Any) -> dict:
+    """The verify cost curve requests use (this machine's, or the conservative default), with
+    per depth: cost relative to width 1, plain tokens/s, and a perfect drafter's best speedup."""
+    from engine import CostCurve, curve_key, load_cost_curve
+
+    kv_bits = getattr(engine, "kv_bits", None)
+
+    def read(target):
+        key = curve_key(target, kv_bits)
+        return load_cost_curve(key) or CostCurve.default(key)
+
+    curve = engine.call(read)
+    by_depth = []
+    for depth in curve.depths:
+        width, speedup = curve.best_perfect_speedup(depth)
+        step = curve.step_seconds(1, depth)
+        by_depth.append({"depth": depth, "relative": [round(curve.relative(w, depth), 4) for w in curve.widths],
+                         "plain_tok_s": round(1.0 / step, 2) if step > 0 else 0.0,
+                         "best_width": width, "best_speedup": round(speedup, 3)})
+    return {**curve.to_dict(), "by_depth": by_depth}
+
+
+def retune(engine: Any, depths: list[int] | None, repeats: int | None,
+           on_progress: Callable[[str, int, int], None]) -> dict:
+    """Measure the cost curve again (blocks the engine for its duration) and make new requests use it."""
+    import importlib
+
+    from engine import tune
+
+    kwargs = {k: v for k, v in (("depths", depths), ("repeats", repeats)) if v}
+    kv_bits = getattr(engine, "kv_bits", None)
+    engine.call(lambda t: tune(t, kv_bits, refresh=True, on_progress=on_progress, **kwargs))
+    for name in ("engine.autotune", "engine.cost_curve"):  # the per-process memo of the curve
+        try:
+            getattr(importlib.import_module(name), "_memo", {}).clear()
+        except ImportError:
+            pass
+    return cost_curve(engine)
+
+
+def cache_view(engine: Any, limit: int = 40) -> dict:
+    return {"stats": engine.cache_stats(), "branches": engine.cache_branches(limit)}
+
+
+def drop_cache(engine: Any, disk: bool) -> dict:
+    engine.drop_cache(disk)
+    return cache_view(engine)
