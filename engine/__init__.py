@@ -8,19 +8,9 @@ The one door for the server, MCP tools and benchmark:
         ...                                    # PrefillProgress, Tokens, Done
 """
 
-from .autotune import (
-    CostCurve,
-    DraftController,
-    best_draft_cap,
-    cache_dir,
-    curve_for_requests,
-    curve_key,
-    load_cost_curve,
-    machine_report,
-    measure_bandwidth,
-    roofline,
-    tune,
-)
+from .cost_curve import CostCurve, cache_dir, curve_for_requests, curve_key, load_cost_curve, tune
+from .draft_control import DraftController, best_draft_cap
+from .roofline import machine_report, measure_bandwidth, roofline
 from .benchmark import CONTENTS as BENCH_CONTENTS
 from .benchmark import Content as BenchContent
 from .benchmark import build_content as build_bench_content

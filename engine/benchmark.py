@@ -320,7 +320,7 @@ def run_benchmark(
     progress: Callable[[str], None] = lambda msg: None,
 ) -> dict:
     """Every figure, as a dict (the CLI prints it as a table or JSON)."""
-    from .autotune import curve_for_requests, device_name
+    from .cost_curve import curve_for_requests, device_name
     from .platform import describe_platform
 
     sampling = sampling or SamplingParams()

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .autotune import draft_controller
+from .draft_control import draft_controller
 from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
@@ -31,7 +31,7 @@ from .stops import TextAssembler
 from .target import Target, load_target
 from .verify import Round, prefill, speculative_rounds
 
-DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/autotune.py)
+DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/draft_control.py)
 DEFAULT_PREFILL_CHUNK = 512
 MAX_ENGINE_CORPUS_DOCS = 64
 
@@ -300,7 +300,7 @@ class Engine:
             rounds = plain_rounds(target, cache, prompt[-1], req.sampling)
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
-            if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
+            if cap == "auto":  # adapt per round to the acceptance seen (engine/draft_control.py)
                 cap = controller = draft_controller(target, len(prompt), self.kv_bits)
                 hard_cap = controller.max_cap
             elif isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:

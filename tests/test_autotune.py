@@ -19,7 +19,8 @@ from engine import (
     load_target,
     tune,
 )
-from engine.autotune import curve_path, expected_tokens
+from engine.cost_curve import curve_path
+from engine.draft_control import expected_tokens
 
 SMALL = dict(widths=(1, 2, 4, 8), depths=(16, 64), repeats=1)
 

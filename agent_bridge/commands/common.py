@@ -32,7 +32,7 @@ def parse_max_draft(value: str | None) -> int | str | None:
 
     if value is None:
         return None
-    if value == "auto":  # adapt per round from the measured cost curve (engine/autotune.py)
+    if value == "auto":  # adapt per round from the measured cost curve (engine/cost_curve.py, engine/draft_control.py)
         return "auto"
     try:
         n = int(value)
