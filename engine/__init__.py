@@ -20,6 +20,7 @@ from .drafter import Draft, Drafter
 from .engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
 from .errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
+from . import cpu_attention
 from .lookup import LookupDrafter
 from .models import REFERENCE_MODEL_DIR, default_model_path, local_models
 from .modes import available_modes
