@@ -24,7 +24,7 @@ from . import cpu_attention
 from .lookup import LookupDrafter
 from .models import REFERENCE_MODEL_DIR, default_model_path, local_models
 from .modes import available_modes
-from .platform import describe_platform, ensure_fast_blas
+from .platform import describe_platform, ensure_fast_blas, loaded_blas, slow_blas_warning
 from .sampling import SamplingParams
 from .target import Target, load_target
 
@@ -46,6 +46,8 @@ __all__ = [
     "run_benchmark",
     "run_nonce",
     "tune",
+    "loaded_blas",
+    "slow_blas_warning",
     "CancelledError",
     "DEFAULT_MAX_DRAFT",
     "Done",

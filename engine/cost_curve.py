@@ -24,6 +24,7 @@ MAX_WIDTH = 64
 DEFAULT_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # interpolated between
 DEFAULT_DEPTHS = (256, 2048, 8192)
 DEFAULT_REPEATS = 4
+QUICK_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # a re-measure on the request path
 # Without a measurement, assume each extra token in a verify pass costs 15% of a
 # one-token step (a small model on a CPU); a large model or a GPU is cheaper.
 DEFAULT_MARGINAL_COST = 0.15
@@ -269,13 +270,34 @@ def tune(target, kv_bits: int | None = None, refresh: bool = False, **measure_kw
 
 
 _memo: dict[str, CostCurve] = {}
+RECHECK_WIDTHS = (1, 16)
+RECHECK_TOLERANCE = 0.25
+
+
+def curve_still_holds(target, curve: CostCurve, kv_bits: int | None = None) -> bool:
+    """Re-time two widths at the curve's first depth (a second or so): does the cached
+    curve still describe this machine? Off by more than a quarter at either width means
+    something under it changed (another BLAS, a cached file from another setup)."""
+    widths = [w for w in RECHECK_WIDTHS if w <= curve.widths[-1]]
+    now = measure_cost_curve(target, widths=widths, depths=curve.depths[:1], repeats=3, kv_bits=kv_bits)
+    for w, seconds in zip(now.widths, now.seconds[0]):
+        cached = curve.step_seconds(w, now.depths[0])
+        if abs(seconds - cached) > RECHECK_TOLERANCE * cached:
+            return False
+    return True
 
 
 def curve_for_requests(target, kv_bits: int | None = None) -> CostCurve:
-    """The curve a request path may use right away: the cached one, else the conservative
-    default (measuring takes a minute; `mlx-dspark tune` does it). Read once per process."""
+    """The curve a request path may use: the cached one once re-checked (re-measured,
+    quickly, where it no longer holds), else the conservative default (measuring in
+    full takes a minute; `mlx-dspark tune` does it). Settled once per process."""
     key = curve_key(target, kv_bits)
     memo_key = str(curve_path(key))  # the path holds the cache dir and the key's digest
     if memo_key not in _memo:
-        _memo[memo_key] = load_cost_curve(key) or CostCurve.default(key)
+        curve = load_cost_curve(key)
+        if curve is not None and not curve_still_holds(target, curve, kv_bits):
+            curve = measure_cost_curve(target, widths=QUICK_WIDTHS, depths=curve.depths, repeats=2,
+                                       key=key, kv_bits=kv_bits)
+            save_cost_curve(curve)
+        _memo[memo_key] = curve or CostCurve.default(key)
     return _memo[memo_key]

@@ -57,9 +57,14 @@ def prefix_cache_dir(args: argparse.Namespace, persistent: bool) -> str | None:
 
 def engine_from_args(args: argparse.Namespace, persistent: bool = False):
     """The engine the flags describe; `persistent` (serve, mcp) keeps a disk tier by default."""
-    from agent_bridge.cli import CommandError
-    from engine import DEFAULT_MAX_DRAFT, Engine
+    import sys
 
+    from agent_bridge.cli import CommandError
+    from engine import DEFAULT_MAX_DRAFT, Engine, slow_blas_warning
+
+    warning = slow_blas_warning()
+    if warning:
+        print(warning, file=sys.stderr)  # one line; `doctor` says more
     for flag in ("prefix_cache_max_ram_mb", "prefix_cache_max_disk_mb"):
         if (getattr(args, flag, None) or 0) < 0:
             raise CommandError(f"--{flag.replace('_', '-')} must be >= 0")
