@@ -10,6 +10,8 @@ The one door for the server, MCP tools and benchmark:
 
 from .cost_curve import CostCurve, cache_dir, curve_for_requests, curve_key, load_cost_curve, tune
 from .draft_control import DraftController, best_draft_cap
+from .prefill_chunk import tune_prefill
+from .prefill_estimate import prefill_report
 from .roofline import machine_report, measure_bandwidth, roofline
 from .benchmark import CONTENTS as BENCH_CONTENTS
 from .benchmark import Content as BenchContent
@@ -47,6 +49,8 @@ __all__ = [
     "run_nonce",
     "tune",
     "loaded_blas",
+    "prefill_report",
+    "tune_prefill",
     "slow_blas_warning",
     "CancelledError",
     "DEFAULT_MAX_DRAFT",

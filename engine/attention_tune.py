@@ -34,10 +34,10 @@ class Crossover:
     measured_at: str = ""
 
 
-def attention_shape(target) -> tuple[int, int, int, int]:
-    """(query heads, kv heads, key size, value size) of the target's attention, seen by
-    running two tokens with `mx.fast.scaled_dot_product_attention` watched: one way for
-    every family, whatever its config calls these."""
+def attention_calls(target) -> list[tuple[int, int, int, int]]:
+    """(query heads, kv heads, key size, value size) of each attention call in one forward,
+    seen by running two tokens with `mx.fast.scaled_dot_product_attention` watched: one
+    way for every family, whatever its config calls these."""
     import mlx.core as mx
 
     seen = []
@@ -52,9 +52,15 @@ def attention_shape(target) -> tuple[int, int, int, int]:
         mx.eval(target.forward([0, 0], target.make_cache()))
     finally:
         mx.fast.scaled_dot_product_attention = original
+    return seen
+
+
+def attention_shape(target) -> tuple[int, int, int, int]:
+    """The widest attention layer's shape: where the crossover matters most."""
+    seen = attention_calls(target)
     if not seen:
         raise ValueError("the model never called scaled_dot_product_attention")
-    return max(seen, key=lambda s: s[0] * s[2])  # the widest layer, where it matters most
+    return max(seen, key=lambda s: s[0] * s[2])
 
 
 def crossover_key(target, shape=None) -> dict:
@@ -162,6 +168,9 @@ def install_for(target) -> Crossover | None:
 
     if mx.default_device() != mx.cpu or os.environ.get("MLX_DSPARK_CPU_ATTENTION") == "0":
         return None
-    found = crossover_for(target)
+    try:
+        found = crossover_for(target)
+    except ValueError:  # no attention layer to route (a recurrent model)
+        return None
     cpu_attention.install(found.min_keys)
     return found

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from .draft_control import draft_controller
+from .prefill_chunk import chunk_for
 from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
@@ -32,7 +33,6 @@ from .target import Target, load_target
 from .verify import Round, prefill, speculative_rounds
 
 DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/draft_control.py)
-DEFAULT_PREFILL_CHUNK = 512
 MAX_ENGINE_CORPUS_DOCS = 64
 
 
@@ -94,7 +94,7 @@ class Engine:
         *,
         mode: str = "auto",
         max_draft: int | str = DEFAULT_MAX_DRAFT,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = None,  # None: measured for this machine (engine/prefill_chunk.py)
         context_window: int | None = None,
         dtype: str | None = None,
         prefix_cache: bool = True,
@@ -128,6 +128,8 @@ class Engine:
         self._thread.start()
         loaded.result()  # re-raises ModelLoadError here, in the caller's thread
         self.context_window = context_window or self.target.context_window
+        if not self.prefill_chunk:
+            self.prefill_chunk = self.call(chunk_for)
         if drafter or drafter_bits:  # a head checkpoint given by the user: load and pair it now
             try:
                 self.call(lambda t: attach_drafter(t, drafter, drafter_bits))

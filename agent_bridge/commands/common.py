@@ -11,7 +11,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", default="auto", help="auto, baseline, lookup, or a drafter mode (default: auto)")
     g.add_argument("--max-draft", default=None, help="cap on draft length per round, or 'auto' (default: engine's)")
     g.add_argument("--context-window", type=int, default=None, help="maximum prompt + output tokens")
-    g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    g.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill step (default: measured by `tune` for this machine and model)")
     g.add_argument("--drafter", default=None, metavar="PATH_OR_ID",
                    help="a DFlash or DSpark head checkpoint for this model (checked against it at start)")
     g.add_argument("--drafter-bits", type=int, choices=[4, 8], default=None, help="quantise drafter heads at load")
@@ -68,6 +69,8 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
     for flag in ("prefix_cache_max_ram_mb", "prefix_cache_max_disk_mb"):
         if (getattr(args, flag, None) or 0) < 0:
             raise CommandError(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise CommandError("--prefill-chunk must be >= 1")
     max_draft = parse_max_draft(args.max_draft)
     return Engine(
         args.model,
