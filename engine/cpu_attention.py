@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .cost_curve import MAX_WIDTH
+
 QUERY_ROWS = 256  # rows of a score tile (query positions x heads sharing a kv head)
 KEY_BLOCK = 512  # columns of a score tile: 256 x 512 float32 = 512 KB per thread
 
@@ -182,9 +184,9 @@ def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
 
 _state = threading.local()
 _original = None
-# Route only chunks wider than any verify pass (widths up to 64): decode and verify stay on
-# MLX's kernel, so speculative rounds compute exactly what plain decoding would.
-MIN_QUERIES = 65
+# Route only chunks wider than the verify passes `--max-draft auto` makes (MAX_WIDTH): decode
+# and verify stay on MLX's kernel, as in plain decoding; prefill chunks are what is slow.
+MIN_QUERIES = MAX_WIDTH + 1
 _min_keys: int | None = None  # the measured crossover in keys (cached prefix + chunk); None: off
 
 

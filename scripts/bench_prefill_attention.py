@@ -18,31 +18,11 @@ import time
 import numpy as np
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default=None)
-    p.add_argument("--depth", type=int, default=30000, help="keys of the one-layer measurement")
-    p.add_argument("--queries", type=int, default=2048, help="queries (a prefill chunk) of it")
-    p.add_argument("--prefill", type=int, default=0, help="also time a cold prefill of this many tokens")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's choice)")
-    p.add_argument("--chunks", default=None, help="also time a prefill of --chunk-tokens at these chunk sizes")
-    p.add_argument("--chunk-tokens", type=int, default=4096)
-    args = p.parse_args()
-
+def one_layer(args, rng, hq, hkv, dk, dv) -> None:
     import mlx.core as mx
 
-    from engine import cpu_attention, load_target
-    from engine.attention_tune import attention_shape
-    from engine.models import default_model_path
-    from engine.platform import loaded_blas
-    from engine.prefill_chunk import chunk_for, time_prefill
+    from engine import cpu_attention
 
-    target = load_target(args.model or default_model_path())
-    hq, hkv, dk, dv = attention_shape(target)
-    print(f"model {target.path}; attention {hq} query heads, {hkv} kv heads, head {dk}; "
-          f"MLX on {loaded_blas()}; load average {os.getloadavg()[0]:.2f}")
-
-    rng = np.random.default_rng(0)
     L, S = args.queries, args.depth
     q = rng.standard_normal((1, hq, L, dk), dtype=np.float32)
     k = rng.standard_normal((1, hkv, S, dk), dtype=np.float32)
@@ -62,9 +42,36 @@ def main() -> None:
     print(f"one layer, {L} queries at {S} keys: MLX {t_mlx:.2f} s, blockwise {t_ours:.2f} s "
           f"({t_mlx / t_ours:.1f}x; {flops / t_ours / 1e9:.1f} GFLOP/s; max |diff| {err:.1e}); "
           f"load average {os.getloadavg()[0]:.2f}")
-    del qm, km, vm, ref
 
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--depth", type=int, default=30000, help="keys of the one-layer measurement")
+    p.add_argument("--queries", type=int, default=2048, help="queries (a prefill chunk) of it")
+    p.add_argument("--no-layer", action="store_true", help="skip the one-layer measurement")
+    p.add_argument("--prefill", type=int, default=0, help="also time a cold prefill of this many tokens")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's choice)")
+    p.add_argument("--chunks", default=None, help="also time a prefill of --chunk-tokens at these chunk sizes")
+    p.add_argument("--chunk-tokens", type=int, default=4096)
+    args = p.parse_args()
+
+    from engine import cpu_attention, load_target
+    from engine.attention_tune import attention_shape
+    from engine.models import default_model_path
+    from engine.platform import loaded_blas
+    from engine.prefill_chunk import chunk_for, time_prefill
+
+    target = load_target(args.model or default_model_path())
+    hq, hkv, dk, dv = attention_shape(target)
+    print(f"model {target.path}; attention {hq} query heads, {hkv} kv heads, head {dk}; "
+          f"MLX on {loaded_blas()}; load average {os.getloadavg()[0]:.2f}")
+
+    rng = np.random.default_rng(0)
+    if not args.no_layer:
+        one_layer(args, rng, hq, hkv, dk, dv)
     chunk = args.chunk or chunk_for(target)
+
     if args.prefill:
         ids = rng.integers(0, target.vocab_size, size=args.prefill).tolist()
         on = time_prefill(target, ids, chunk)
