@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with Engine(args.model, prefix_cache=False) as engine:
                 roof = {"model": engine.model_path, **engine.call(machine_report)}
-                if not args.no_prefill:
+                if not args.no_prefill and "advice" not in info:  # on a slow BLAS: fix that first
                     sizes = tuple(sorted(set((8192, 32768) + full)))
                     prefill = engine.call(lambda t: prefill_report(t, sizes, engine.prefill_chunk, full))
         except EngineError as e:
