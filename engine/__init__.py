@@ -8,19 +8,11 @@ The one door for the server, MCP tools and benchmark:
         ...                                    # PrefillProgress, Tokens, Done
 """
 
-from .autotune import (
-    CostCurve,
-    DraftController,
-    best_draft_cap,
-    cache_dir,
-    curve_for_requests,
-    curve_key,
-    load_cost_curve,
-    machine_report,
-    measure_bandwidth,
-    roofline,
-    tune,
-)
+from .cost_curve import CostCurve, cache_dir, curve_for_requests, curve_key, load_cost_curve, tune
+from .draft_control import DraftController, best_draft_cap
+from .prefill_chunk import tune_prefill
+from .prefill_estimate import prefill_report
+from .roofline import machine_report, measure_bandwidth, roofline
 from .benchmark import CONTENTS as BENCH_CONTENTS
 from .benchmark import Content as BenchContent
 from .benchmark import build_content as build_bench_content
@@ -30,11 +22,12 @@ from .drafter import Draft, Drafter
 from .engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
 from .errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
+from . import cpu_attention
 from .lookup import LookupDrafter
 from .model_catalog import ModelInfo, find_models, model_locations, pairing_problems, weights_missing
 from .models import REFERENCE_MODEL_DIR, default_model_path, local_models
 from .modes import available_modes
-from .platform import describe_platform, ensure_fast_blas
+from .platform import describe_platform, ensure_fast_blas, loaded_blas, slow_blas_warning
 from .sampling import SamplingParams
 from .target import Target, load_target
 
@@ -56,6 +49,10 @@ __all__ = [
     "run_benchmark",
     "run_nonce",
     "tune",
+    "loaded_blas",
+    "prefill_report",
+    "tune_prefill",
+    "slow_blas_warning",
     "CancelledError",
     "DEFAULT_MAX_DRAFT",
     "Done",

@@ -168,6 +168,7 @@ def plain_mlx_lm(target, prompt: list[int], max_tokens: int, sampling: SamplingP
     out: list[int] = []
     t0 = time.perf_counter()
     t_first = None
+    from .cpu_attention import disabled
     from .engine import engine_stream
 
     steps = generate_step(
@@ -175,15 +176,16 @@ def plain_mlx_lm(target, prompt: list[int], max_tokens: int, sampling: SamplingP
         sampler=sampling.mlx_lm_sampler(), stream=engine_stream(),
     )
     try:
-        for token, _ in steps:
-            if t_first is None:
-                t_first = time.perf_counter()
-            token = int(token)
-            if token in eos:
-                break
-            out.append(token)
-            if len(out) >= max_tokens:
-                break
+        with disabled():  # the peer is plain mlx-lm: MLX's own attention kernel
+            for token, _ in steps:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                token = int(token)
+                if token in eos:
+                    break
+                out.append(token)
+                if len(out) >= max_tokens:
+                    break
     finally:
         steps.close()
         mx.synchronize()  # its one-step-ahead work must not leak into the next run's time
@@ -325,7 +327,7 @@ def run_benchmark(
     progress: Callable[[str], None] = lambda msg: None,
 ) -> dict:
     """Every figure, as a dict (the CLI prints it as a table or JSON)."""
-    from .autotune import curve_for_requests, device_name
+    from .cost_curve import curve_for_requests, device_name
     from .platform import describe_platform
 
     sampling = sampling or SamplingParams()

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .autotune import draft_controller
+from .draft_control import draft_controller
+from .prefill_chunk import chunk_for
 from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
@@ -39,8 +40,7 @@ from .stops import TextAssembler
 from .target import Target, load_target
 from .verify import Round, prefill, speculative_rounds
 
-DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/autotune.py)
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/draft_control.py)
 MAX_ENGINE_CORPUS_DOCS = 64
 _WAKE = object()  # put on the work queue when a job is queued
 
@@ -113,7 +113,7 @@ class Engine:
         *,
         mode: str = "auto",
         max_draft: int | str = DEFAULT_MAX_DRAFT,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = None,  # None: measured for this machine (engine/prefill_chunk.py)
         context_window: int | None = None,
         dtype: str | None = None,
         prefix_cache: bool = True,
@@ -175,6 +175,8 @@ class Engine:
         self.context_window = context_window or self.target.context_window
         self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
         self._contexts = ContextIndexCache()  # the last request's lookup index, continued
+        if not self.prefill_chunk:
+            self.prefill_chunk = self.call(chunk_for)
         if drafter or drafter_bits:  # a head checkpoint given by the user: load and pair it now
             try:
                 self.call(lambda t: attach_drafter(t, drafter, drafter_bits))
@@ -467,7 +469,7 @@ class Engine:
             rounds = plain_rounds(target, cache, prompt[-1], sampling)
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
-            if cap == "auto":  # adapt per round to the acceptance seen (engine/autotune.py)
+            if cap == "auto":  # adapt per round to the acceptance seen (engine/draft_control.py)
                 cap = controller = draft_controller(target, len(prompt), self.kv_bits)
                 hard_cap = controller.max_cap
             elif isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:

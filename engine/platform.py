@@ -67,20 +67,78 @@ def restore_caller_env() -> None:
         os.environ["LD_PRELOAD"] = before
 
 
-def loaded_blas() -> str:
-    """Name of the BLAS library mapped into this process (Linux), or the platform's."""
-    if sys.platform == "darwin":
-        return "Accelerate"
+def mlx_blas_path() -> str | None:
+    """The file MLX's `cblas_sgemm` (every float32 matmul on CPU) binds to, or None.
+
+    Looked up the way the dynamic linker bound it: the global scope first (the program,
+    LD_PRELOAD, libraries loaded RTLD_GLOBAL), then libmlx's own dependencies (the
+    mlx-cpu wheel's reference BLAS); `dladdr` names the file holding that address. A
+    BLAS that is merely mapped (numpy's bundled OpenBLAS, say) does not count.
+    """
+    import ctypes
+    import ctypes.util
+
+    import mlx.core  # noqa: F401  (loads libmlx)
+
     try:
         with open("/proc/self/maps") as maps:
-            libs = {line.split()[-1] for line in maps if "blas" in line.lower()}
+            libmlx = next((line.split()[-1] for line in maps if line.rstrip().endswith("/libmlx.so")), None)
+        scopes = [ctypes.CDLL(None)] + ([ctypes.CDLL(libmlx)] if libmlx else [])
     except OSError:
+        return None
+    address = None
+    for scope in scopes:
+        try:
+            address = ctypes.cast(scope.cblas_sgemm, ctypes.c_void_p).value
+            break
+        except AttributeError:
+            continue
+    if address is None:
+        return None
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    libdl = ctypes.CDLL(ctypes.util.find_library("dl") or None)
+    info = DlInfo()
+    if not libdl.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(info.dli_fname.decode())
+
+
+def blas_name(path: str | None) -> str:
+    """A BLAS library's name in words, from its file."""
+    if path is None:
         return "unknown"
-    if any("openblas" in lib for lib in libs):
-        return "OpenBLAS"
-    if libs:
-        return "reference BLAS (" + ", ".join(sorted(os.path.basename(l) for l in libs)) + ")"
-    return "none loaded yet"
+    base = os.path.basename(path)
+    low = path.lower()
+    for marker, name in (("openblas", "OpenBLAS"), ("mkl", "MKL"), ("blis", "BLIS"), ("accelerate", "Accelerate")):
+        if marker in low:
+            return f"{name} ({base})"
+    return f"reference BLAS ({base})"
+
+
+def loaded_blas() -> str:
+    """The BLAS MLX's matmuls run on: 'OpenBLAS (file)', 'reference BLAS (file)', ..."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    return blas_name(mlx_blas_path())
+
+
+def slow_blas_warning() -> str | None:
+    """One line when MLX computes on CPU with a slow reference BLAS, else None."""
+    import mlx.core as mx
+
+    if sys.platform != "linux" or mx.default_device() != mx.cpu:
+        return None
+    blas = loaded_blas()
+    if not blas.startswith("reference"):
+        return None
+    fix = ("install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread); "
+           "mlx-dspark preloads it") if find_openblas() is None else (
+           f"start without MLX_DSPARK_NO_REEXEC, or with LD_PRELOAD={find_openblas()}")
+    return f"warning: MLX runs on a slow {blas}, about 30x slower than OpenBLAS: {fix}"
 
 
 def describe_platform() -> dict:
@@ -99,10 +157,7 @@ def describe_platform() -> dict:
         "blas": loaded_blas() if on_cpu else "n/a (GPU)",
         "cpu_count": os.cpu_count(),
     }
-    if on_cpu and sys.platform == "linux" and info["blas"] != "OpenBLAS":
-        info["advice"] = (
-            "MLX is using a slow reference BLAS; install OpenBLAS "
-            "(Debian/Ubuntu: apt-get install libopenblas0-pthread) and mlx-dspark will "
-            "preload it automatically."
-        )
+    warning = slow_blas_warning() if on_cpu else None
+    if warning:
+        info["advice"] = warning.removeprefix("warning: ")
     return info

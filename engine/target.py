@@ -238,7 +238,11 @@ def load_target(path_or_id: str | Path, dtype: str | None = None) -> Target:
         model.set_dtype(want)
     mx.eval(model.parameters())
     actual = str(want or _weights_dtype(model)).replace("mlx.core.", "")
-    return Target(model=model, tokenizer=tokenizer, path=path, config=dict(config), dtype=actual)
+    target = Target(model=model, tokenizer=tokenizer, path=path, config=dict(config), dtype=actual)
+    from .attention_tune import install_for
+
+    install_for(target)  # long prefill chunks on CPU: blockwise attention (engine/cpu_attention.py)
+    return target
 
 
 def _weights_dtype(model: nn.Module) -> mx.Dtype:

@@ -98,7 +98,7 @@ def quantized_matmul_widths(n: int = 4096, repeats: int = 7) -> None:
 
 def curves(args) -> None:
     """cost(width) / cost(1) of a verify pass per family, as `mlx-dspark tune` measures it."""
-    from engine.autotune import measure_cost_curve
+    from engine.cost_curve import measure_cost_curve
     from engine.rollback import needs_replay
     from engine.target import load_target
     from tiny_models import build_family_model

@@ -74,19 +74,19 @@ def test_missing_required_argument():
 @pytest.mark.skipif(sys.platform != "linux" or find_openblas() is None, reason="needs Linux with OpenBLAS installed")
 def test_doctor_reports_openblas_after_reexec():
     env = {"LD_PRELOAD": ""}
-    r = cli("doctor", "--json", env_extra=env)
+    r = cli("doctor", "--json", "--no-prefill", env_extra=env)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    assert info["blas"] == "OpenBLAS"
+    assert info["blas"].startswith("OpenBLAS")
     assert info["compute_dtype"] == "float32" and info["device"] == "cpu"
 
 
 def test_doctor_advises_when_blas_is_slow():
-    r = cli("doctor", "--json", env_extra={"MLX_DSPARK_NO_REEXEC": "1", "LD_PRELOAD": ""})
+    r = cli("doctor", "--json", "--no-prefill", env_extra={"MLX_DSPARK_NO_REEXEC": "1", "LD_PRELOAD": ""})
     info = json.loads(r.stdout)
     # Debian's alternatives may already route libblas.so.3 to OpenBLAS; only then is there no advice.
-    if sys.platform == "linux" and info["blas"] != "OpenBLAS":
-        assert "libopenblas0-pthread" in info["advice"]
+    if sys.platform == "linux" and info["blas"].startswith("reference"):
+        assert ("libopenblas0-pthread" if find_openblas() is None else "LD_PRELOAD=") in info["advice"]
     else:
         assert "advice" not in info
 

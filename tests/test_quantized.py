@@ -19,7 +19,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load as mlx_lm_load
 
 from engine import Engine
-from engine.autotune import CostCurve, DraftController, curve_key, measure_cost_curve
+from engine.cost_curve import CostCurve, curve_key, measure_cost_curve
+from engine.draft_control import DraftController
 from engine.engine import engine_stream
 from test_lossless import corrupt, lookup_ids
 from tiny_models import WINDOW, build_family_model, build_tiny_model

@@ -11,7 +11,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", default="auto", help="auto, baseline, lookup, or a drafter mode (default: auto)")
     g.add_argument("--max-draft", default=None, help="cap on draft length per round, or 'auto' (default: engine's)")
     g.add_argument("--context-window", type=int, default=None, help="maximum prompt + output tokens")
-    g.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    g.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill step (default: measured by `tune` for this machine and model)")
     g.add_argument("--drafter", default=None, metavar="PATH_OR_ID",
                    help="a DFlash or DSpark head checkpoint for this model (checked against it at start)")
     g.add_argument("--drafter-bits", type=int, choices=[4, 8], default=None, help="quantise drafter heads at load")
@@ -43,7 +44,7 @@ def parse_max_draft(value: str | None) -> int | str | None:
 
     if value is None:
         return None
-    if value == "auto":  # adapt per round from the measured cost curve (engine/autotune.py)
+    if value == "auto":  # adapt per round from the measured cost curve (engine/cost_curve.py, engine/draft_control.py)
         return "auto"
     try:
         n = int(value)
@@ -68,14 +69,19 @@ def prefix_cache_dir(args: argparse.Namespace, persistent: bool) -> str | None:
 
 def engine_from_args(args: argparse.Namespace, persistent: bool = False):
     """The engine the flags describe; `persistent` (serve, mcp) keeps a disk tier by default."""
+    import sys
+
     from agent_bridge.cli import CommandError
-    from engine import DEFAULT_MAX_DRAFT, Engine
+    from engine import DEFAULT_MAX_DRAFT, Engine, slow_blas_warning
     from engine.loop_guard import DEFAULT_WINDOW as DEFAULT_LOOP_GUARD
 
+    warning = slow_blas_warning()
+    if warning:
+        print(warning, file=sys.stderr)  # one line; `doctor` says more
     for flag in ("prefix_cache_max_ram_mb", "prefix_cache_max_disk_mb"):
         if (getattr(args, flag, None) or 0) < 0:
             raise CommandError(f"--{flag.replace('_', '-')} must be >= 0")
-    if args.prefill_chunk < 1:
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise CommandError(f"--prefill-chunk must be >= 1, not {args.prefill_chunk}")
     max_draft = parse_max_draft(args.max_draft)
     loop_guard = getattr(args, "loop_guard", None)

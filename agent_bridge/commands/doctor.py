@@ -12,25 +12,42 @@ def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="report backend, device, BLAS, dtype, fixes and the roofline")
     p.add_argument("--model", help="model for the roofline (default: the bundled reference model)")
     p.add_argument("--no-model", action="store_true", help="skip loading a model (no roofline)")
+    p.add_argument("--prefill-tokens", default=None, metavar="N[,N...]",
+                   help="prefill sizes to run cold in full beside their estimate (default: 8192 and 32768 "
+                        "are predicted from two timed chunks)")
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill estimate")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from agent_bridge.cli import CommandError
     from engine import describe_platform
 
+    full = ()
+    if args.prefill_tokens:
+        try:
+            full = tuple(int(n) for n in args.prefill_tokens.split(",") if n.strip())
+        except ValueError:
+            raise CommandError(f"--prefill-tokens takes comma-separated whole numbers, not {args.prefill_tokens!r}") from None
+        if not full or min(full) < 1:
+            raise CommandError("--prefill-tokens needs token counts >= 1")
     info = describe_platform()
-    roof, problem = None, None
+    roof, problem, prefill = None, None, None
     if not args.no_model:
-        from engine import Engine, EngineError, machine_report
+        from engine import Engine, EngineError, machine_report, prefill_report
 
         try:
             with Engine(args.model, prefix_cache=False) as engine:
                 roof = {"model": engine.model_path, **engine.call(machine_report)}
+                if not args.no_prefill and "advice" not in info:  # on a slow BLAS: fix that first
+                    sizes = tuple(sorted(set((8192, 32768) + full)))
+                    prefill = engine.call(lambda t: prefill_report(t, sizes, engine.prefill_chunk, full))
         except EngineError as e:
             problem = str(e)
     if args.json:
-        print(json.dumps({**info, "roofline": roof, **({"roofline_error": problem} if problem else {})}, indent=2))
+        print(json.dumps({**info, "roofline": roof, "prefill": prefill,
+                          **({"roofline_error": problem} if problem else {})}, indent=2))
         return 0
     for key, value in info.items():
         if key != "advice":
@@ -49,4 +66,20 @@ def run(args: argparse.Namespace) -> int:
                   f"verify cost {costs}; perfect drafter {d['best_speedup_perfect_drafter']}x at width "
                   f"{d['best_width']}")
         print(f"{'curve':>14}: {roof['curve']}")
+    if prefill:
+        print(f"\ncold prefill, {prefill['chunk']}-token chunks; float32 matmul: numpy's BLAS "
+              f"{prefill['numpy_gflops']} GFLOP/s, MLX's {prefill['mlx_gflops']} GFLOP/s (measured now)")
+        for row in prefill["sizes"]:
+            parts = [f"estimate {row['estimate_s']} s at the faster rate ({row['gflop']} GFLOP, "
+                     f"{row['attention_gflop']} of it attention)"]
+            if "measured_s" in row:
+                parts.append(f"measured {row['measured_s']} s ({row['measured_s'] / row['estimate_s']:.2f}x)")
+            elif "measured_note" in row:
+                parts.append(f"not measured: {row['measured_note']}")
+            if "predicted_s" in row:
+                parts.append(f"predicted {row['predicted_s']} s from two timed chunks "
+                             f"({row['predicted_s'] / row['estimate_s']:.2f}x)")
+            if len(parts) == 1:
+                parts.append("not measured (this cache kind can't be filled at random; --prefill-tokens runs it)")
+            print(f"{str(row['tokens']) + ' tokens':>14}: " + "; ".join(parts))
     return 0

@@ -15,13 +15,15 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed passes per width (median; default 3)")
     p.add_argument("--acceptance", type=float, default=0.8,
                    help="per-token acceptance to pick a static draft cap for (default: %(default)s)")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="skip measuring the prefill chunk size and the CPU attention crossover")
     p.add_argument("--json", action="store_true", help="print the curve as JSON")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from agent_bridge.cli import CommandError
-    from engine import Engine, best_draft_cap, curve_key, load_cost_curve, tune
+    from engine import Engine, best_draft_cap, curve_key, load_cost_curve, tune, tune_prefill
 
     kwargs = {}
     if args.depths:
@@ -45,10 +47,14 @@ def run(args: argparse.Namespace) -> int:
             cached = engine.call(lambda t: load_cost_curve(curve_key(t, args.kv_bits)))
             curve = engine.call(lambda t: tune(t, args.kv_bits, refresh=args.refresh, **kwargs,
                                                on_progress=lambda what, i, n: _progress(f"measuring {what} ({i}/{n})")))
+            prefill = None
+            if not args.no_prefill:
+                _progress("measuring the prefill chunk and the CPU attention crossover")
+                prefill = engine.call(lambda t: tune_prefill(t, refresh=args.refresh))
     finally:
         _end_progress()
     if args.json:
-        print(json.dumps(curve.to_dict(), indent=1))
+        print(json.dumps({**curve.to_dict(), "prefill": prefill}, indent=1))
         return 0
     fresh = cached is None or args.refresh
     print(f"verify cost curve for {engine.model_path} ({'measured now' if fresh else 'cached'}, "
@@ -63,4 +69,12 @@ def run(args: argparse.Namespace) -> int:
     cap, gain = best_draft_cap(curve, args.acceptance, depth=curve.depths[0])
     print(f"static draft cap for acceptance {args.acceptance:.2f}: {cap} (expected {gain:.2f}x); "
           "--max-draft auto adapts it per round")
+    if prefill:
+        chunk, attn = prefill["chunk"], prefill["attention"]
+        times = ", ".join(f"{c}: {s:.2f}s" for c, s in chunk["seconds"].items())
+        print(f"prefill chunk: {chunk['chunk']} tokens (prefill of {chunk['tokens']} tokens: {times})")
+        if attn:
+            where = f"from {attn['min_keys']} keys" if attn["min_keys"] is not None else "never (MLX's is faster here)"
+            times = ", ".join(f"{k}: {m:.3f}/{o:.3f}s" for k, m, o in attn["timings"])
+            print(f"CPU blockwise attention: {where} (keys: MLX/blockwise for one {512}-query chunk: {times})")
     return 0

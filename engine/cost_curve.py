@@ -1,13 +1,10 @@
-"""Auto-tune: what a verify pass of width k costs here, and how long a draft pays.
+"""The verify cost curve: what a forward of width k costs here, measured and cached.
 
-A verify pass over k tokens costs cost(k) times a plain one-token step; a draft of
-k tokens accepted with per-token probability a commits (1 - a^(k+1)) / (1 - a)
-tokens in that pass. The draft cap maximising their ratio depends on the machine
-(BLAS, GPU, memory bandwidth), the model, its dtype/quantisation and the KV cache's
-bits, so the curve is measured once per such key and cached as JSON under the
-user's cache directory. `DraftController` applies it per round for
-`--max-draft auto`: smoothed acceptance, hysteresis, drafting off where it doesn't
-pay, and a probe now and then.
+A verify pass over k tokens costs cost(k) times a plain one-token step. The curve
+depends on the machine (BLAS, GPU, memory bandwidth), the model, its
+dtype/quantisation and the KV cache's bits, so it is measured once per such key and
+cached as JSON under the user's cache directory. `draft_control.py` reads it per
+round; `roofline.py` reports it.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ MAX_WIDTH = 64
 DEFAULT_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # interpolated between
 DEFAULT_DEPTHS = (256, 2048, 8192)
 DEFAULT_REPEATS = 4
+QUICK_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # a re-measure on the request path
 # Without a measurement, assume each extra token in a verify pass costs 15% of a
 # one-token step (a small model on a CPU); a large model or a GPU is cheaper.
 DEFAULT_MARGINAL_COST = 0.15
@@ -164,139 +162,6 @@ class CostCurve:
         )
 
 
-# -- expected throughput ---------------------------------------------------------------
-
-
-def expected_tokens(k: int, acceptance: float) -> float:
-    """Tokens one round commits with a k-token draft whose tokens each hold with prob `acceptance`."""
-    a = min(max(acceptance, 0.0), 1.0)
-    if a >= 1.0:
-        return k + 1.0
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-def expected_speedup(k: int, acceptance: float, costs: list[float]) -> float:
-    """Tokens per second against plain decoding, for a k-token draft (costs[k] = cost(k+1))."""
-    return expected_tokens(k, acceptance) / costs[min(k, len(costs) - 1)]
-
-
-def best_draft_cap(
-    curve: CostCurve, acceptance: float, depth: int = 2048, max_cap: int = MAX_WIDTH - 1
-) -> tuple[int, float]:
-    """(static draft cap, its expected speedup) maximising tokens/s; (0, 1.0) if none pays."""
-    costs = curve.costs(depth, max_cap + 1)
-    return _best(acceptance, costs, max_cap)
-
-
-def _best(acceptance: float, costs: list[float], max_cap: int) -> tuple[int, float]:
-    best_k, best = 0, 1.0
-    a = min(max(acceptance, 0.0), 1.0)
-    total, term = 1.0, 1.0  # running geometric sum: expected tokens for k = 0
-    for k in range(1, max_cap + 1):
-        term *= a
-        total += term
-        gain = total / costs[k]
-        if gain > best:
-            best_k, best = k, gain
-    return best_k, best
-
-
-# -- the adaptive controller ---------------------------------------------------------------
-
-
-class DraftController:
-    """The per-round draft cap for `--max-draft auto`.
-
-    Call it for the cap before a round; tell it `observe(drafted, accepted)` after.
-    Acceptance is estimated as a geometric continuation probability, smoothed over
-    recent rounds that drafted. The cap moves to the curve's best for that estimate
-    only when that beats the current cap by `hysteresis`; drafting turns off when no
-    cap is expected to gain `min_gain`, and then a probe of `probe_cap` tokens is
-    tried every `probe_every` rounds (doubling while probes fail, up to `probe_max`).
-    """
-
-    def __init__(
-        self,
-        curve: CostCurve,
-        depth: int = 0,
-        max_cap: int = MAX_WIDTH - 1,
-        prior: float = 0.7,
-        decay: float = 0.8,
-        hysteresis: float = 0.05,
-        min_gain: float = 1.02,
-        probe_every: int = 16,
-        probe_max: int = 256,
-        probe_cap: int = 4,
-    ):
-        self.curve, self.depth, self.max_cap = curve, depth, max_cap
-        self.decay, self.hysteresis, self.min_gain = decay, hysteresis, min_gain
-        self.probe_every, self.probe_max, self.probe_cap = probe_every, probe_max, probe_cap
-        prior = min(max(prior, 0.01), 0.99)
-        self._acc, self._rej = prior / (1 - prior), 1.0  # one pseudo-round at the prior
-        self._costs_bucket, self._costs = -1, []
-        self.cap = 0
-        self.off = False
-        self._since_probe = 0
-        self._interval = probe_every
-        self._probing = False
-        self.cap = self._decide(first=True)
-
-    @property
-    def acceptance(self) -> float:
-        return self._acc / (self._acc + self._rej)
-
-    def __call__(self) -> int:
-        if not self.off:
-            return self.cap
-        if self._probing:
-            return self.probe_cap
-        self._since_probe += 1
-        if self._since_probe >= self._interval:
-            self._probing = True
-            return self.probe_cap
-        return 0
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.depth += accepted + 1
-        if drafted <= 0:
-            return  # the drafter had nothing: no evidence either way
-        self._acc = self.decay * self._acc + accepted
-        self._rej = self.decay * self._rej + (1.0 if accepted < drafted else 0.0)
-        probed, self._probing = self._probing, False
-        self.cap = self._decide()
-        if self.off and probed:
-            self._since_probe = 0
-            self._interval = min(self._interval * 2, self.probe_max)
-
-    def _current_costs(self) -> list[float]:
-        bucket = self.depth // 512  # the curve changes slowly with depth
-        if bucket != self._costs_bucket:
-            self._costs_bucket = bucket
-            self._costs = self.curve.costs(bucket * 512 + 256, self.max_cap + 1)
-        return self._costs
-
-    def _decide(self, first: bool = False) -> int:
-        costs = self._current_costs()
-        a = self.acceptance
-        k, gain = _best(a, costs, self.max_cap)
-        if self.off:
-            if gain >= self.min_gain * (1 + self.hysteresis):
-                self.off = False
-                self._interval = self.probe_every
-                self._since_probe = 0
-                return k
-            return 0
-        if gain < self.min_gain:
-            self.off = True
-            self._since_probe = 0
-            return 0
-        if first or self.cap == 0:
-            return k
-        if gain > expected_speedup(self.cap, a, costs) * (1 + self.hysteresis):
-            return k
-        return self.cap
-
-
 # -- measuring -------------------------------------------------------------------------------
 
 
@@ -420,80 +285,34 @@ def tune(target, kv_bits: int | None = None, refresh: bool = False, **measure_kw
 
 
 _memo: dict[str, CostCurve] = {}
+RECHECK_WIDTHS = (1, 16)
+RECHECK_TOLERANCE = 0.25
+
+
+def curve_still_holds(target, curve: CostCurve, kv_bits: int | None = None) -> bool:
+    """Re-time two widths at the curve's first depth (a second or so): does the cached
+    curve still describe this machine? Off by more than a quarter at either width means
+    something under it changed (another BLAS, a cached file from another setup)."""
+    widths = [w for w in RECHECK_WIDTHS if w <= curve.widths[-1]]
+    now = measure_cost_curve(target, widths=widths, depths=curve.depths[:1], repeats=3, kv_bits=kv_bits)
+    for w, seconds in zip(now.widths, now.seconds[0]):
+        cached = curve.step_seconds(w, now.depths[0])
+        if abs(seconds - cached) > RECHECK_TOLERANCE * cached:
+            return False
+    return True
 
 
 def curve_for_requests(target, kv_bits: int | None = None) -> CostCurve:
-    """The curve a request path may use right away: the cached one, else the conservative
-    default (measuring takes a minute; `mlx-dspark tune` does it). Read once per process."""
+    """The curve a request path may use: the cached one once re-checked (re-measured,
+    quickly, where it no longer holds), else the conservative default (measuring in
+    full takes a minute; `mlx-dspark tune` does it). Settled once per process."""
     key = curve_key(target, kv_bits)
     memo_key = str(curve_path(key))  # the path holds the cache dir and the key's digest
     if memo_key not in _memo:
-        _memo[memo_key] = load_cost_curve(key) or CostCurve.default(key)
+        curve = load_cost_curve(key)
+        if curve is not None and not curve_still_holds(target, curve, kv_bits):
+            curve = measure_cost_curve(target, widths=QUICK_WIDTHS, depths=curve.depths, repeats=2,
+                                       key=key, kv_bits=kv_bits)
+            save_cost_curve(curve)
+        _memo[memo_key] = curve or CostCurve.default(key)
     return _memo[memo_key]
-
-
-def draft_controller(target, prompt_tokens: int, kv_bits: int | None = None) -> DraftController:
-    """A fresh controller for one generation (the engine builds one per `auto` request)."""
-    return DraftController(curve_for_requests(target, kv_bits), depth=prompt_tokens)
-
-
-# -- roofline ----------------------------------------------------------------------------------
-
-
-def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second reading a large float32 array (best of `repeats`)."""
-    import mlx.core as mx
-
-    x = mx.random.uniform(shape=(megabytes * (1 << 20) // 4,))
-    mx.eval(x)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        mx.eval(mx.sum(x))
-        best = min(best, time.perf_counter() - t0)
-    return x.nbytes / best
-
-
-def model_bytes(target) -> int:
-    from mlx.utils import tree_flatten
-
-    return int(sum(p.nbytes for _, p in tree_flatten(target.model.parameters())))
-
-
-def roofline(target, curve: CostCurve, bandwidth: float | None = None) -> dict:
-    """Memory bandwidth, the plain-decode ceiling it sets for this model, measured plain
-    decoding (a width-1 step), and the best speedup the curve allows a perfect drafter."""
-    bw = measure_bandwidth() if bandwidth is None else bandwidth
-    nbytes = model_bytes(target)
-    depths = {}
-    for depth in curve.depths:
-        width, speedup = curve.best_perfect_speedup(depth)
-        step = curve.step_seconds(1, depth)
-        depths[str(depth)] = {
-            "plain_step_ms": round(step * 1e3, 3),
-            "plain_tok_s": round(1.0 / step, 1),
-            "cost": {str(w): round(curve.relative(w, depth), 3) for w in (2, 4, 8, 16, 32, 64)},
-            "best_width": width,
-            "best_speedup_perfect_drafter": round(speedup, 2),
-        }
-    return {
-        "bandwidth_gb_s": round(bw / 1e9, 2),
-        "model_bytes": nbytes,
-        "plain_decode_ceiling_tok_s": round(bw / nbytes, 1),
-        "curve_measured": curve.measured,
-        "curve_measured_at": curve.measured_at,
-        "by_depth": depths,
-    }
-
-
-def machine_report(target, kv_bits: int | None = None) -> dict:
-    """The roofline for `target` on this machine (for `doctor` and the server's /machine):
-    the cached cost curve, else a quick one-depth measurement of a few seconds."""
-    curve = load_cost_curve(curve_key(target, kv_bits))
-    quick = curve is None
-    if quick:
-        curve = measure_cost_curve(target, widths=(1, 2, 4, 8, 16, 32, 64), depths=(512,), repeats=2,
-                                   kv_bits=kv_bits)
-    report = roofline(target, curve)
-    report["curve"] = "quick (one depth; `mlx-dspark tune` measures the full curve)" if quick else "cached"
-    return report

@@ -1,0 +1,258 @@
+"""Prefill attention on CPU at BLAS speed: query blocks x key blocks, online softmax.
+
+MLX's CPU `scaled_dot_product_attention` builds the whole score matrix of a prefill
+chunk (a 2048-token chunk at 30k tokens of depth is 1.5 GB per layer) and runs the
+softmax on one core; at long depth it is an order of magnitude slower than its FLOPs.
+Here each (query block, key block) pair is one BLAS matmul into a score tile of a
+few hundred KB, the softmax is carried online (running max and sum, flash-attention
+style), key blocks past the causal diagonal are skipped, and one thread per core
+takes (batch, kv head, query block) items: numpy's float32 matmuls and ufuncs release
+the GIL, so both cores stay busy.
+
+`install()` routes `mx.fast.scaled_dot_product_attention` here, which every mlx-lm
+family reaches (directly or through `mlx_lm.models.base.scaled_dot_product_attention`,
+which looks it up at call time), so no model file is forked. Only what this computes
+exactly is taken: the CPU device, float32, no mask or the bottom-right "causal" one,
+no sinks, and a prefill chunk (wider than any verify pass) over at least the measured crossover's
+keys (`attention_tune.py`).
+Anything else (array masks such as sliding windows, sinks, other dtypes, decode
+steps, small chunks, a graph being compiled) goes to MLX's own kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .cost_curve import MAX_WIDTH
+
+QUERY_ROWS = 256  # rows of a score tile (query positions x heads sharing a kv head)
+KEY_BLOCK = 512  # columns of a score tile: 256 x 512 float32 = 512 KB per thread
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def _numpy_openblas():
+    """(get, set) of numpy's own OpenBLAS thread count, or None where it has none.
+
+    Each worker thread here runs its own matmuls; numpy's OpenBLAS would also split
+    every one of them over all cores, and on 2 cores that oversubscription measured
+    5-10x slower than one BLAS thread per worker.
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line and "numpy" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        lib = ctypes.CDLL(path)
+        for get, set_ in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                          ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+                          ("openblas_get_num_threads", "openblas_set_num_threads")):
+            if hasattr(lib, get) and hasattr(lib, set_):
+                return getattr(lib, get), getattr(lib, set_)
+    return None
+
+
+_blas_threads = None
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    global _blas_threads
+    if _blas_threads is None:
+        _blas_threads = _numpy_openblas() or False
+    if not _blas_threads:
+        yield
+        return
+    get, set_ = _blas_threads
+    before = get()
+    set_(1)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="cpu-attn")
+        return _pool
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    causal: bool,
+    query_rows: int = QUERY_ROWS,
+    key_block: int = KEY_BLOCK,
+    threads: int | None = None,
+) -> np.ndarray:
+    """softmax(q k^T * scale [+ causal mask]) v for float32 arrays.
+
+    q: (B, Hq, L, D); k: (B, Hkv, S, Dk); v: (B, Hkv, S, Dv), Hq a multiple of Hkv
+    (grouped-query attention). The causal mask is MLX's: query i sits at position
+    S - L + i (a prefill chunk after a cached prefix of S - L tokens) and sees keys
+    0..S - L + i. Returns (B, Hq, L, Dv) float32.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads do not group over {Hkv} kv heads")
+    if causal and S < L:
+        raise ValueError("a causal chunk needs at least as many keys as queries")
+    rep = Hq // Hkv
+    offset = S - L if causal else 0
+    out = np.empty((B, Hq, L, v.shape[-1]), dtype=np.float32)
+    positions = max(1, query_rows // rep)  # query positions per tile; all `rep` heads of each
+    items = [(b, h, p0, min(p0 + positions, L)) for b in range(B) for h in range(Hkv)
+             for p0 in range(0, L, positions)]
+    # Longest first (causal tiles near the end see the most keys): better balance.
+    items.sort(key=lambda it: -it[3])
+    scale = np.float32(scale)
+
+    def run(item):
+        b, h, p0, p1 = item
+        _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block)
+
+    n = threads or _threads()
+    with _one_blas_thread():
+        if n == 1 or len(items) == 1:
+            for item in items:
+                run(item)
+        else:
+            for f in [_executor().submit(run, it) for it in items]:
+                f.result()
+    return out
+
+
+def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
+    """One kv head's `rep` query heads at positions p0..p1, over every key it may see."""
+    n_pos, D = p1 - p0, q.shape[-1]
+    rows = n_pos * rep
+    # Rows ordered position-major (row = pos * rep + head): one mask per position serves
+    # every head of the group, and the group's heads share each K/V block's matmul.
+    qb = q[b, h * rep : (h + 1) * rep, p0:p1, :].transpose(1, 0, 2).reshape(rows, D) * scale
+    kk, vv = k[b, h], v[b, h]
+    last_key = offset + p1 if causal else kk.shape[0]  # keys past it are masked for every row
+    m = np.full(rows, -np.inf, dtype=np.float32)  # running max of each row's scores
+    s = np.zeros(rows, dtype=np.float32)  # running sum of exp(score - m)
+    acc = np.zeros((rows, vv.shape[-1]), dtype=np.float32)
+    row_pos = None
+    tile = np.empty((rows, key_block), dtype=np.float32)
+    new_m = np.empty(rows, dtype=np.float32)
+    corr = np.empty(rows, dtype=np.float32)
+    for k0 in range(0, last_key, key_block):
+        k1 = min(k0 + key_block, last_key)
+        sc = tile[:, : k1 - k0]
+        np.matmul(qb, kk[k0:k1].T, out=sc)
+        if causal and k1 - 1 > offset + p0:  # the tile crosses the diagonal
+            if row_pos is None:
+                row_pos = np.repeat(np.arange(offset + p0, offset + p1), rep)[:, None]
+            sc[np.arange(k0, k1)[None, :] > row_pos] = -np.inf
+        # The first tile always holds key 0, which every row sees: m is finite from then on.
+        np.maximum(m, sc.max(axis=1), out=new_m)
+        np.subtract(m, new_m, out=corr)
+        np.exp(corr, out=corr)
+        np.subtract(sc, new_m[:, None], out=sc)
+        np.exp(sc, out=sc)
+        s *= corr
+        s += sc.sum(axis=1)
+        acc *= corr[:, None]
+        acc += sc @ vv[k0:k1]
+        m, new_m = new_m, m
+    acc /= s[:, None]
+    out[b, h * rep : (h + 1) * rep, p0:p1, :] = acc.reshape(n_pos, rep, -1).transpose(1, 0, 2)
+
+
+# -- routing mx.fast.scaled_dot_product_attention ----------------------------------------
+
+_state = threading.local()
+_original = None
+# Route only chunks wider than the verify passes `--max-draft auto` makes (MAX_WIDTH): decode
+# and verify stay on MLX's kernel, as in plain decoding; prefill chunks are what is slow.
+MIN_QUERIES = MAX_WIDTH + 1
+_min_keys: int | None = None  # the measured crossover in keys (cached prefix + chunk); None: off
+
+
+def set_crossover(min_keys: int | None) -> None:
+    """Use this path for prefill chunks attending to at least `min_keys` keys (None: never)."""
+    global _min_keys
+    _min_keys = min_keys
+
+
+@contextlib.contextmanager
+def disabled():
+    """MLX's own kernel inside this block (on this thread): references, measurements."""
+    old = getattr(_state, "off", False)
+    _state.off = True
+    try:
+        yield
+    finally:
+        _state.off = old
+
+
+def handles(queries, keys, mask, sinks) -> bool:
+    """Whether this path should take these arguments: it computes them exactly (up to
+    float32 rounding) and the chunk is above the crossover."""
+    import mlx.core as mx
+
+    if _min_keys is None or getattr(_state, "off", False) or sinks is not None:
+        return False
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return False  # array masks: sliding windows, padding, anything else
+    if queries.ndim != 4 or keys.ndim != 4 or queries.dtype != mx.float32 or keys.dtype != mx.float32:
+        return False
+    if mx.default_device() != mx.cpu:
+        return False
+    L, S = queries.shape[2], keys.shape[2]
+    return L >= MIN_QUERIES and S >= _min_keys and queries.shape[1] % keys.shape[1] == 0
+
+
+def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **kwargs):
+    if args or kwargs or scale is None or not handles(queries, keys, mask, sinks):
+        return _original(queries, keys, values, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
+    import mlx.core as mx
+
+    try:
+        mx.eval(queries, keys, values)  # numpy needs values: this layer's graph runs here
+        q, k, v = np.asarray(queries), np.asarray(keys), np.asarray(values)  # no copies
+    except Exception:  # a traced graph (mx.compile) has no values yet: MLX's kernel
+        return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return mx.array(attention(q, k, v, scale, causal=mask is not None))
+
+
+def install(min_keys: int | None) -> None:
+    """Route `mx.fast.scaled_dot_product_attention` through this path above `min_keys`
+    keys (idempotent; None routes nothing)."""
+    global _original
+    import mlx.core as mx
+
+    set_crossover(min_keys)
+    if _original is None:
+        _original = mx.fast.scaled_dot_product_attention
+        mx.fast.scaled_dot_product_attention = _routed
+
+
+def uninstall() -> None:
+    global _original
+    import mlx.core as mx
+
+    if _original is not None:
+        mx.fast.scaled_dot_product_attention = _original
+        _original = None

@@ -1,0 +1,177 @@
+"""Blockwise CPU prefill attention: equal to MLX's kernel to float32 rounding, routed only
+where it is exact, and greedy output identical to plain mlx-lm at 1k, 8k and 16k+ tokens."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from engine import Engine, GenerationRequest, cpu_attention
+from engine import attention_tune as tune_mod
+from tiny_models import build_tiny_model
+
+
+def mlx_sdpa(q, k, v, scale, mask):
+    with cpu_attention.disabled():
+        return np.array(mx.fast.scaled_dot_product_attention(
+            mx.array(q), mx.array(k), mx.array(v), scale=scale, mask=mask))
+
+
+@pytest.mark.parametrize("hq,hkv,L,S,d", [
+    (4, 2, 100, 100, 16),     # a first chunk
+    (6, 2, 300, 1300, 64),    # a chunk after a cached prefix, GQA 3:1
+    (4, 4, 513, 1537, 32),    # no grouping, sizes off the block grid
+    (8, 1, 70, 5000, 8),      # many heads on one kv head, many key blocks
+])
+@pytest.mark.parametrize("mask", ["causal", None])
+def test_kernel_equals_mlx(hq, hkv, L, S, d, mask):
+    rng = np.random.default_rng(hq * L + S)
+    q = rng.standard_normal((2, hq, L, d), dtype=np.float32)
+    k = rng.standard_normal((2, hkv, S, d), dtype=np.float32) * 2
+    v = rng.standard_normal((2, hkv, S, d), dtype=np.float32)
+    ref = mlx_sdpa(q, k, v, d**-0.5, mask)
+    for threads in (1, 2):
+        out = cpu_attention.attention(q, k, v, d**-0.5, causal=mask is not None, threads=threads)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+
+
+@pytest.fixture
+def routed():
+    """The blockwise path installed for every chunk wide enough, restored after."""
+    was = cpu_attention._min_keys, cpu_attention._original is not None
+    cpu_attention.install(0)
+    calls = []
+    real = cpu_attention.attention
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    cpu_attention.attention = counting
+    yield calls
+    cpu_attention.attention = real
+    cpu_attention.set_crossover(was[0])
+    if not was[1]:
+        cpu_attention.uninstall()
+
+
+def test_routing_takes_only_what_it_computes_exactly(routed):
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((1, 4, 80, 16), dtype=np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 200, 16), dtype=np.float32))
+    v = mx.array(rng.standard_normal((1, 2, 200, 16), dtype=np.float32))
+    ref = mlx_sdpa(np.array(q), np.array(k), np.array(v), 0.25, "causal")
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert len(routed) == 1
+    np.testing.assert_allclose(np.array(out), ref, rtol=1e-5, atol=2e-6)
+    # MLX's kernel for: array masks (sliding windows), sinks, other dtypes, verify-sized chunks.
+    window = mx.array(np.tril(np.ones((80, 200), dtype=bool), k=120))
+    others = [
+        dict(q=q, k=k, v=v, mask=window),
+        dict(q=q, k=k, v=v, mask="causal", sinks=mx.zeros((4,))),
+        dict(q=q.astype(mx.bfloat16), k=k.astype(mx.bfloat16), v=v.astype(mx.bfloat16), mask="causal"),
+        dict(q=q[:, :, :64], k=k, v=v, mask="causal"),
+    ]
+    for o in others:
+        mx.eval(mx.fast.scaled_dot_product_attention(o.pop("q"), o.pop("k"), o.pop("v"), scale=0.25, **o))
+    assert len(routed) == 1
+    with cpu_attention.disabled():
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal"))
+    assert len(routed) == 1
+    cpu_attention.set_crossover(201)  # below the crossover: MLX's
+    mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal"))
+    assert len(routed) == 1
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-long"), arch="qwen3", seed=3,
+                            context=20000)
+
+
+def mlx_lm_greedy(engine, prompt, max_tokens):
+    """Plain mlx-lm on MLX's own attention kernel: the reference."""
+
+    def run(target):
+        out = []
+        with cpu_attention.disabled():
+            for tok, _ in generate_step(mx.array(prompt, dtype=mx.uint32), target.model,
+                                        max_tokens=max_tokens, sampler=make_sampler(temp=0.0),
+                                        prompt_cache=make_prompt_cache(target.model),
+                                        prefill_step_size=512):
+                if tok in target.eos_token_ids:
+                    break
+                out.append(int(tok))
+        return out
+
+    return engine.call(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [1000, 8000, 16500])
+def test_greedy_equals_mlx_lm_at_depth(long_model, routed, length):
+    rng = np.random.default_rng(length)
+    with Engine(str(long_model), prefix_cache=False, prefill_chunk=512) as engine:
+        cpu_attention.install(0)  # loading installed the measured/default crossover
+        vocab = engine.call(lambda t: t.vocab_size)
+        prompt = rng.integers(0, vocab, size=length).tolist()
+        ref = mlx_lm_greedy(engine, prompt, 16)
+        assert not routed
+        for mode in ("baseline", "lookup"):
+            done = list(engine.generate(GenerationRequest(prompt, max_tokens=16, mode=mode)))[-1]
+            assert done.token_ids == ref, mode
+        full_chunks = (length - 1) // 512  # chunks of 512 queries (the tail may be under 65)
+        assert len(routed) >= 2 * 2 * full_chunks  # 2 modes x 2 layers: every full chunk took it
+
+
+def test_logits_agree_to_float32_rounding(tiny_model_dir, routed):
+    """A chunk after a cached prefix (the causal offset), through the whole model."""
+    with Engine(str(tiny_model_dir), prefix_cache=False) as engine:
+        cpu_attention.install(0)
+
+        def logits(target, on):
+            rng = np.random.default_rng(1)
+            ids = rng.integers(0, target.vocab_size, size=700).tolist()
+            cache = target.make_cache()
+            with cpu_attention.disabled():
+                target.forward(ids[:300], cache)
+            if on:
+                out = target.forward(ids[300:], cache)
+            else:
+                with cpu_attention.disabled():
+                    out = target.forward(ids[300:], cache)
+            return np.array(out.astype(mx.float32))
+
+        ours = engine.call(lambda t: logits(t, True))
+        assert routed
+        ref = engine.call(lambda t: logits(t, False))
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_crossover_cache_is_keyed(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path))
+    from engine import load_target
+
+    target = load_target(tiny_model_dir)
+    key = tune_mod.crossover_key(target)
+    assert key["shape"] == [4, 2, 16, 16]  # seen from the model's own attention calls
+    assert "cpu:" in key["device"]
+    found = tune_mod.crossover_for(target)
+    assert not found.measured and found.min_keys == tune_mod.DEFAULT_MIN_KEYS
+    measured = tune_mod.measure_crossover(key["shape"], key=key, key_counts=(256, 512), chunk=128, repeats=1)
+    path = tune_mod.save_crossover(measured)
+    assert tune_mod.crossover_for(target) == measured
+    # Another BLAS, MLX or attention shape is another file; a file with a stale key is ignored.
+    for change in ({"device": key["device"] + "x"}, {"mlx": "0.0"}, {"shape": [8, 2, 16, 16]}):
+        assert tune_mod.crossover_path({**key, **change}) != path
+    data = json.loads(path.read_text())
+    data["key"]["mlx"] = "0.0"
+    path.write_text(json.dumps(data))
+    assert not tune_mod.crossover_for(target).measured

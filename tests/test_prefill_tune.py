@@ -1,0 +1,91 @@
+"""Prefill chunk chosen by measurement and cached per key; doctor's prefill estimate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import Engine, load_target
+from engine import prefill_chunk as pc
+from engine.prefill_estimate import matmul_params, predict_prefill, prefill_flops
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_target(tiny_model_dir)
+
+
+def test_chunk_is_measured_once_and_keyed(cache_home, target, monkeypatch):
+    assert pc.chunk_for(target) == pc.DEFAULT_CHUNK
+    monkeypatch.setattr(pc, "CANDIDATES", (64, 128))
+    monkeypatch.setattr(pc, "MEASURE_TOKENS", 256)
+    found = pc.tune_chunk(target)
+    assert found["chunk"] in (64, 128) and set(found["seconds"]) == {"64", "128"}
+    assert pc.chunk_for(target) == found["chunk"]
+    assert pc.tune_chunk(target)["measured_at"] == found["measured_at"]  # cached, not re-measured
+    key = pc.chunk_key(target)
+    for change in ({"device": "x"}, {"mlx": "0.0"}, {"model": "other"}, {"dtype": "bfloat16"}):
+        assert pc.chunk_path({**key, **change}) != pc.chunk_path(key)
+    data = json.loads(pc.chunk_path(key).read_text())
+    data["chunk"] = -3  # a damaged file is ignored
+    pc.chunk_path(key).write_text(json.dumps(data))
+    assert pc.chunk_for(target) == pc.DEFAULT_CHUNK
+
+
+def test_engine_uses_the_measured_chunk_unless_given(cache_home, tiny_model_dir, target, monkeypatch):
+    monkeypatch.setattr(pc, "CANDIDATES", (96,))
+    monkeypatch.setattr(pc, "MEASURE_TOKENS", 128)
+    pc.tune_chunk(target)
+    with Engine(str(tiny_model_dir), prefix_cache=False) as e:
+        assert e.prefill_chunk == 96
+    with Engine(str(tiny_model_dir), prefix_cache=False, prefill_chunk=40) as e:
+        assert e.prefill_chunk == 40
+
+
+def test_flops_count(target):
+    # The tiny qwen3: 2 layers, hidden 64, 4 query heads and 2 kv heads of 16, MLP 128, untied head.
+    vocab, h, layers = target.vocab_size, 64, 2
+    per_layer = h * 64 + 2 * (h * 32) + 64 * h + 3 * h * 128
+    assert matmul_params(target) == layers * per_layer + vocab * h
+    f = prefill_flops(target, 100)
+    assert f["weights"] == 2 * matmul_params(target) * 100
+    assert f["attention"] == layers * 2 * 4 * (16 + 16) * 100 * 101 / 2
+
+
+def test_prediction_from_two_chunks_is_near_the_full_run(target):
+    from engine.prefill_chunk import time_prefill
+
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, target.vocab_size, size=2048).tolist()
+    time_prefill(target, ids[:256], 256)
+    full = min(time_prefill(target, ids, 256) for _ in range(2))
+    predicted = predict_prefill(target, 2048, 256)
+    assert 0.2 < predicted / full < 5  # a loaded machine: the order, not the digits
+
+
+def test_doctor_prints_estimate_beside_measured(tiny_model_dir, cache_home):
+    env = {**os.environ, "MLX_DSPARK_CACHE_DIR": str(cache_home)}
+    r = subprocess.run([sys.executable, "-m", "agent_bridge", "doctor", "--model", str(tiny_model_dir),
+                        "--prefill-tokens", "1024", "--json"], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = {row["tokens"]: row for row in json.loads(r.stdout)["prefill"]["sizes"]}
+    assert set(rows) == {1024, 8192, 32768}
+    assert rows[1024]["measured_s"] > 0 and rows[1024]["estimate_s"] > 0
+    assert "measured_s" not in rows[32768] and rows[32768]["predicted_s"] > rows[8192]["predicted_s"]
+    bad = subprocess.run([sys.executable, "-m", "agent_bridge", "doctor", "--prefill-tokens", "x"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
