@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from .autotune import draft_controller
+from .batch_verify import Forward, run_forwards
 from .chat import render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
@@ -137,6 +138,7 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch!r}")
         self.max_batch = max_batch
+        self.batched_rounds = 0  # sequence rounds verified in a batched forward
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[tuple[Job, Iterator[None]]] = []
@@ -203,6 +205,7 @@ class Engine:
             waiting = [j for j in self._waiting if not j.cancelled]
             running = [j for j, _ in self._running]
         return {"max_batch": self.max_batch, "queued": len(waiting), "running": len(running),
+                "batched_rounds": self.batched_rounds,
                 "sequences": [j.status() for j in running + waiting]}
 
     def generate(self, request: GenerationRequest) -> Iterator[Any]:
@@ -298,8 +301,12 @@ class Engine:
                 if item is not _WAKE:
                     item()
             self._admit()
-            for job, steps in list(self._running):
-                self._step(job, steps)
+            forwards = [f for job, steps in list(self._running) if isinstance(f := self._step(job, steps), Forward)]
+            if forwards:
+                try:
+                    self.batched_rounds += run_forwards(self.target, forwards)
+                except Exception as e:  # those jobs fail at their next step (no result); the engine goes on
+                    logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
 
     def _admit(self) -> None:
         with self._lock:
@@ -311,10 +318,10 @@ class Engine:
                 self._waiting.remove(job)
                 self._running.append((job, self._steps(job)))
 
-    def _step(self, job: Job, steps: Iterator[None]) -> None:
+    def _step(self, job: Job, steps: Iterator[Any]) -> Any:
         finished: Any = None
         try:
-            next(steps)
+            return next(steps)
         except StopIteration as stop:
             finished = stop.value
         except EngineError as e:
@@ -406,7 +413,8 @@ class Engine:
                 raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
             else:
                 hard_cap = cap
-            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap, hard_cap=hard_cap)
+            rounds = speculative_rounds(target, cache, prompt[-1], drafter, req.sampling, cap, hard_cap=hard_cap,
+                                        defer_forward=self.max_batch > 1)
 
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids
@@ -416,11 +424,15 @@ class Engine:
         t_decode = time.perf_counter()
         job.phase = "decode"
         while finish is None:
-            yield
             if job.cancelled:
                 finish = "cancelled"
                 break
-            rnd: Round = next(rounds)
+            rnd = next(rounds)
+            if isinstance(rnd, Forward):  # run by the scheduler, with the other sequences' forwards
+                yield rnd
+                rnd = next(rounds)
+            else:
+                yield
             committed.extend(rnd.tokens)
             stats.add_round(rnd.drafted, rnd.accepted)
             if controller is not None:
