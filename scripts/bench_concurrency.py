@@ -3,14 +3,16 @@
     python scripts/bench_concurrency.py [--model DIR] [--contents chat,refactor] [--concurrency 1,2,4]
 
 For each content and concurrency c, c distinct requests (the content's prompt, each with its
-own first line) are submitted together to the engine, once with --max-batch 1 (one at a time,
-in arrival order) and once with --max-batch c (interleaved step by step), in alternating
-order. Reported: aggregate tokens/s (all tokens / wall time), the median and worst time to
+own first line) are submitted together to the engine, with --max-batch 1 (one at a time, in
+arrival order) and with --max-batch c (verified together in batched forwards), alternating
+which goes first, `--trials` times (medians reported). Reported: aggregate tokens/s (all tokens / wall time), the median and worst time to
 first token per request (from submission), and whether every request's tokens were identical.
 Then, over HTTP: how soon a streaming client queued behind a long request gets its first
 byte (the opening event) and its first token, with --max-batch 1 and 4.
 
 Ratios within one run are what count: the machine may be loaded (the load average is printed).
+On Linux run it with OpenBLAS preloaded, as scripts/test.sh does (MLX's CPU matmuls are far
+slower without it): LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def run_together(engine: Engine, prompts: list[list[int]], max_tokens: int, max_
             "ttft_max": max(ttfts), "outputs": [d.token_ids for d in done]}
 
 
-def bench_engine(engine: Engine, contents: list[str], levels: list[int], max_tokens: int | None) -> list[dict]:
+def bench_engine(engine: Engine, contents: list[str], levels: list[int], max_tokens: int | None,
+                 trials: int = 3) -> list[dict]:
     rows = []
     for name in contents:
         base = build_content(engine, name)
@@ -64,18 +67,24 @@ def bench_engine(engine: Engine, contents: list[str], levels: list[int], max_tok
         for c in levels:
             # distinct requests: the same task, each with its own first line
             prompts = [engine.encode(f"Request {i} of {c}.\n" + prompt_text) for i in range(c)]
-            order = [1, c] if c % 2 else [c, 1]  # alternate which runs first
-            res = {b: run_together(engine, prompts, budget, b) for b in order}
-            one, many = res[1], res[c]
+            runs: dict[int, list[dict]] = {1: [], c: []}
+            for t in range(trials):
+                for b in ([1, c] if t % 2 == 0 else [c, 1]):  # alternate which runs first
+                    runs[b].append(run_together(engine, prompts, budget, b))
+            med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+            one = {k: med(runs[1], k) for k in ("tok_s", "ttft_median", "ttft_max")}
+            many = {k: med(runs[c], k) for k in ("tok_s", "ttft_median", "ttft_max")}
+            one["outputs"], many["outputs"] = runs[1][0]["outputs"], runs[c][0]["outputs"]
+            ratios = [m["tok_s"] / o["tok_s"] for o, m in zip(runs[1], runs[c])]
             rows.append({"content": name, "c": c, "max_tokens": budget,
                          "alone_tok_s": one["tok_s"], "batched_tok_s": many["tok_s"],
-                         "ratio": many["tok_s"] / one["tok_s"],
+                         "ratio": statistics.median(ratios),
                          "alone_ttft_med": one["ttft_median"], "batched_ttft_med": many["ttft_median"],
                          "alone_ttft_max": one["ttft_max"], "batched_ttft_max": many["ttft_max"],
-                         "identical": one["outputs"] == many["outputs"]})
+                         "identical": all(r["outputs"] == runs[1][0]["outputs"] for r in runs[1] + runs[c])})
             r = rows[-1]
             print(f"{name:9s} c={c}  one-at-a-time {r['alone_tok_s']:7.1f} tok/s  max-batch {r['batched_tok_s']:7.1f} "
-                  f"tok/s  ({r['ratio']:.2f}x)  TTFT median {r['alone_ttft_med']:.2f} -> {r['batched_ttft_med']:.2f} s, "
+                  f"tok/s  (median of per-trial ratios {r['ratio']:.2f}x)  TTFT median {r['alone_ttft_med']:.2f} -> {r['batched_ttft_med']:.2f} s, "
                   f"worst {r['alone_ttft_max']:.2f} -> {r['batched_ttft_max']:.2f} s  identical={r['identical']}",
                   flush=True)
     return rows
@@ -119,13 +128,15 @@ def main() -> int:
     ap.add_argument("--contents", default="chat,refactor")
     ap.add_argument("--concurrency", default="1,2,4")
     ap.add_argument("--max-tokens", type=int, default=256, help="cap per request (0: the content's own)")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
     ap.add_argument("--no-http", action="store_true", help="skip the queued first-byte measurement")
     args = ap.parse_args()
     print(f"load average: {os.getloadavg()}", flush=True)
-    with Engine(args.model, prefix_cache=False) as engine:
+    with Engine(args.model, prefix_cache=False, dtype=args.dtype) as engine:
         print(f"model: {engine.model_path}", flush=True)
         levels = [int(c) for c in args.concurrency.split(",")]
-        bench_engine(engine, args.contents.split(","), levels, args.max_tokens or None)
+        bench_engine(engine, args.contents.split(","), levels, args.max_tokens or None, args.trials)
         if not args.no_http:
             for b in (1, 4):
                 r = bench_queued_first_byte(engine, b)
