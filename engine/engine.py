@@ -285,7 +285,7 @@ class Engine:
         self._work.put(work)
 
     def _schedule(self) -> None:
-        """Run calls as they come; start queued jobs up to max_batch; step each running job in turn."""
+        """Run calls as they come; start queued jobs up to max_batch; step the running jobs in turn."""
         while True:
             idle = not self._running and all(j.held and not j.cancelled for j in self._waiting)
             items = [self._work.get()] if idle else []
@@ -301,7 +301,12 @@ class Engine:
                 if item is not _WAKE:
                     item()
             self._admit()
-            forwards = [f for job, steps in list(self._running) if isinstance(f := self._step(job, steps), Forward)]
+            # One prefill at a time, oldest first (the others' time to first token would all
+            # grow if they took turns), interleaved with every decoding job's rounds.
+            lead = next((j for j, _ in self._running if j.phase in ("queued", "prefill")), None)
+            forwards = [f for job, steps in list(self._running)
+                        if job.phase == "decode" or job is lead or job.cancelled
+                        if isinstance(f := self._step(job, steps), Forward)]
             if forwards:
                 try:
                     self.batched_rounds += run_forwards(self.target, forwards)
