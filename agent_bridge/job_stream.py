@@ -35,6 +35,7 @@ from .metrics import Metrics
 from .tool_calls import Syntax, syntax_for
 
 DISCONNECT_POLL_S = 0.5
+FIRST_EVENT_WAIT_S = 1.0  # a stream not queued waits this long for its cached-prefix size
 QUEUED_PING_S = 2.0  # a queued stream hears its queue position this often
 TAKEOVER_GRACE_S = 10.0
 DEFAULT_MAX_QUEUE = 32
@@ -200,6 +201,11 @@ class Generation:
                 self.first = await self._next(engine_only=True)
             elif position := self.bridge.engine.queue_position(self.job):
                 self.first = Waiting(position)  # a stream's first ping says where it stands
+            else:  # starting now: its first event (the cached prefix, which message_start reports) is near
+                try:
+                    self.first = await asyncio.wait_for(self._next(engine_only=True), FIRST_EVENT_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
         except BaseException:
             self.close()
             raise
