@@ -302,10 +302,11 @@ class Engine:
                     item()
             self._admit()
             # One prefill at a time, oldest first (the others' time to first token would all
-            # grow if they took turns), interleaved with every decoding job's rounds.
-            lead = next((j for j, _ in self._running if j.phase in ("queued", "prefill")), None)
+            # grow if they took turns), interleaved with every decoding job's rounds. A job just
+            # started takes its first step at once (its cached prefix is known after it).
+            lead = next((j for j, _ in self._running if j.phase == "prefill"), None)
             forwards = [f for job, steps in list(self._running)
-                        if job.phase == "decode" or job is lead or job.cancelled
+                        if job.phase != "prefill" or job is lead or job.cancelled
                         if isinstance(f := self._step(job, steps), Forward)]
             if forwards:
                 try:
