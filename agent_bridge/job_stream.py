@@ -37,6 +37,8 @@ from .tool_stream import ReplyParser, Syntax, syntax_for
 from .turn_replay import Turn, TurnMemory, render_replayed, reply_key
 
 DISCONNECT_POLL_S = 0.5
+QUEUED_OPEN_S = 0.3  # a stream whose job has not started by then opens with its queue position
+FIRST_EVENT_WAIT_S = 10.0  # a stream not queued waits at most this long for its cached-prefix size
 QUEUED_PING_S = 2.0  # a queued stream hears its queue position this often
 TAKEOVER_GRACE_S = 10.0
 DEFAULT_MAX_QUEUE = 32
@@ -227,8 +229,19 @@ class Generation:
         try:
             if wait:
                 self.first = await self._next(engine_only=True)
-            elif position := self.bridge.engine.queue_position(self.job):
-                self.first = Waiting(position)  # a stream's first ping says where it stands
+            else:
+                # A stream opens at once if it must wait for others; one the engine starts on
+                # now first learns its cached prefix (message_start reports it).
+                try:
+                    self.first = await asyncio.wait_for(self._next(engine_only=True), QUEUED_OPEN_S)
+                except asyncio.TimeoutError:
+                    if self.job.phase == "queued":
+                        self.first = Waiting(max(1, self.bridge.engine.queue_position(self.job)))
+                    else:
+                        try:
+                            self.first = await asyncio.wait_for(self._next(engine_only=True), FIRST_EVENT_WAIT_S)
+                        except asyncio.TimeoutError:
+                            pass
         except BaseException:
             self.close()
             raise

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from .batch_verify import Forward, run_forwards
 from .draft_control import draft_controller
 from .prefill_chunk import chunk_for
 from .chat import render_chat
@@ -132,8 +133,9 @@ class Engine:
 
         if kv_bits not in (None, *KV_BITS):
             raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be a whole number >= 1, not {prefill_chunk!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a whole number >= 1 or None (measured), not {prefill_chunk!r}")
         self.kv_bits = kv_bits
         self.prefix_cache: PrefixCache | None = None
 
@@ -156,6 +158,7 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch!r}")
         self.max_batch = max_batch
+        self.batched_rounds = 0  # sequence rounds verified in a batched forward
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[tuple[Job, Iterator[None]]] = []
@@ -233,6 +236,7 @@ class Engine:
             waiting = [j for j in self._waiting if not j.cancelled]
             running = [j for j, _ in self._running]
         return {"max_batch": self.max_batch, "queued": len(waiting), "running": len(running),
+                "batched_rounds": self.batched_rounds,
                 "sequences": [j.status() for j in running + waiting]}
 
     def generate(self, request: GenerationRequest) -> Iterator[Any]:
@@ -346,7 +350,7 @@ class Engine:
             self._work.put(work)
 
     def _schedule(self) -> None:
-        """Run calls as they come; start queued jobs up to max_batch; step each running job in turn."""
+        """Run calls as they come; start queued jobs up to max_batch; step the running jobs in turn."""
         while True:
             idle = not self._running and all(j.held and not j.cancelled for j in self._waiting)
             items = [self._work.get()] if idle else []
@@ -362,8 +366,18 @@ class Engine:
                 if item is not _WAKE:
                     item()
             self._admit()
-            for job, steps in list(self._running):
-                self._step(job, steps)
+            # One prefill at a time, oldest first (the others' time to first token would all
+            # grow if they took turns), interleaved with every decoding job's rounds. A job just
+            # started takes its first step at once (its cached prefix is known after it).
+            lead = next((j for j, _ in self._running if j.phase == "prefill"), None)
+            forwards = [f for job, steps in list(self._running)
+                        if job.phase != "prefill" or job is lead or job.cancelled
+                        if isinstance(f := self._step(job, steps), Forward)]
+            if forwards:
+                try:
+                    self.batched_rounds += run_forwards(self.target, forwards)
+                except Exception as e:  # those jobs fail at their next step (no result); the engine goes on
+                    logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
 
     def _admit(self) -> None:
         with self._lock:
@@ -375,10 +389,10 @@ class Engine:
                 self._waiting.remove(job)
                 self._running.append((job, self._steps(job)))
 
-    def _step(self, job: Job, steps: Iterator[None]) -> None:
+    def _step(self, job: Job, steps: Iterator[Any]) -> Any:
         finished: Any = None
         try:
-            next(steps)
+            return next(steps)
         except StopIteration as stop:
             finished = stop.value
         except EngineError as e:
@@ -481,7 +495,8 @@ class Engine:
             left = lambda: max(0, max_tokens - len(out) - 1)  # noqa: E731
             cap_now = cap if callable(cap) else (lambda c=cap: c)
             rounds = speculative_rounds(target, cache, prompt[-1], drafter, sampling,
-                                        lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()))
+                                        lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()),
+                                        defer_forward=self.max_batch > 1)
 
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids
@@ -492,11 +507,15 @@ class Engine:
         t_decode = time.perf_counter()
         job.phase = "decode"
         while finish is None:
-            yield
             if job.cancelled:
                 finish = "cancelled"
                 break
-            rnd: Round = next(rounds)
+            rnd = next(rounds)
+            if isinstance(rnd, Forward):  # run by the scheduler, with the other sequences' forwards
+                yield rnd
+                rnd = next(rounds)
+            else:
+                yield
             committed.extend(rnd.tokens)
             stats.add_round(rnd.drafted, rnd.accepted)
             if controller is not None:

@@ -117,8 +117,9 @@ class Target:
         re-walked here layer by layer so no second pass is needed."""
         self.check_tappable(layers)
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
+        batched = x.ndim == 2  # (batch, k) tokens: batched verify (engine/batch_verify.py)
         inner = self.model.model
-        h = inner.embed_tokens(x[None])
+        h = inner.embed_tokens(x if batched else x[None])
         scale = _EMBED_SCALE[self.family](self.hidden_size)
         if scale is not None:
             h = h * scale.astype(h.dtype) if isinstance(scale, mx.array) else h * scale
@@ -132,7 +133,8 @@ class Target:
             if i in want:
                 taps[want[i]] = h
         logits = self.lm_head(inner.norm(h))
-        return logits[0], mx.concatenate(taps, axis=-1)[0]
+        hidden = mx.concatenate(taps, axis=-1)
+        return (logits, hidden) if batched else (logits[0], hidden[0])
 
     @staticmethod
     def can_rollback(cache: list) -> bool:

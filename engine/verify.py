@@ -71,6 +71,7 @@ def speculative_rounds(
     max_draft: int | Callable[[], int],
     rng: np.random.Generator | None = None,
     hard_cap: int | Callable[[], int] | None = None,
+    defer_forward: bool = False,
 ) -> Iterator[Round]:
     """Endless rounds of draft-and-verify; the caller stops iterating when done.
 
@@ -78,8 +79,11 @@ def speculative_rounds(
     controller); `hard_cap` (default: the same) bounds `verbatim` drafts, which may
     exceed an adaptive cap. On entry the cache holds the context minus `last_token`;
     after every round it holds the context minus the last committed token, which the
-    next round feeds.
+    next round feeds. `defer_forward`: each round first yields its verify forward (a
+    `batch_verify.Forward`) for the caller to run, batched with other sequences', then its Round.
     """
+    from .batch_verify import Forward
+
     rng = rng or np.random.default_rng(sampling.seed)
     cap = max_draft if callable(max_draft) else (lambda: max_draft)
     drafter.set_sampling(sampling)
@@ -96,11 +100,12 @@ def speculative_rounds(
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]
         before = mark(cache) if draft_tokens else None
-        hidden = None
-        if drafter.tap_layers:
-            logits, hidden = target.forward_tapped(inputs, cache, drafter.tap_layers)
+        fwd = Forward(inputs, cache, tuple(drafter.tap_layers))
+        if defer_forward:
+            yield fwd
         else:
-            logits = target.forward(inputs, cache)
+            fwd.run(target)
+        logits, hidden = fwd.result
         if sampling.greedy:
             n, nxt = accept_greedy(logits, draft_tokens)
         else:

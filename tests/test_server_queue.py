@@ -23,6 +23,11 @@ from server_harness import RunningServer, check_anthropic_stream, sse_events
 LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # ~400 tokens: ~50 prefill steps of 8
 
 
+def long_prompt(tag: str) -> str:
+    """A long prompt no earlier test's prefix cache holds a part of."""
+    return f"[{tag}] {LONG_PROMPT}"
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     from engine import Engine
@@ -51,7 +56,7 @@ def engine_held(engine):
         t.join(60)
 
 
-def wait_for(cond, timeout=20.0, what="condition"):
+def wait_for(cond, timeout=60.0, what="condition"):
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -123,7 +128,7 @@ def test_queued_streams_open_at_once_and_hear_their_position(engine):
 def test_prefill_pings_carry_progress(engine):
     app = create_app(engine)
     with RunningServer(app) as srv:
-        r = httpx.post(srv.url + "/v1/messages", json=anthropic_body(LONG_PROMPT, max_tokens=2), timeout=120)
+        r = httpx.post(srv.url + "/v1/messages", json=anthropic_body(long_prompt("pings"), max_tokens=2), timeout=120)
         events = check_anthropic_stream(r.text)
         progress = [e["mlx_dspark"] for e in events if e["type"] == "ping" and "mlx_dspark" in e]
         progress = [p for p in progress if p["phase"] != "queued"]  # maybe one, before the engine took it
@@ -132,7 +137,7 @@ def test_prefill_pings_carry_progress(engine):
         assert done == sorted(done) and progress[-1]["prefilled_tokens"] < progress[-1]["prompt_tokens"]
         # OpenAI routes: an SSE comment the SDK skips
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-            "model": "m", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": LONG_PROMPT + " x"}]})
+            "model": "m", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": long_prompt("pings-openai")}]})
         assert ': mlx_dspark {"phase":"prefill"' in r.text
         settle(app, engine)
 
@@ -195,7 +200,7 @@ def test_retry_takes_over_a_prefilling_job_with_its_progress(engine):
     app = create_app(engine)
     bridge = app.state.bridge
     bridge.takeover_grace_s = 60
-    body = anthropic_body(LONG_PROMPT + " retry", max_tokens=3)
+    body = anthropic_body(long_prompt("retry"), max_tokens=3)
     with RunningServer(app) as srv:
         with httpx.stream("POST", srv.url + "/v1/messages", json=body, timeout=60):
             wait_for(lambda: any(s["phase"] == "prefill" and s["prefilled_tokens"] > 16
@@ -246,7 +251,7 @@ def test_client_gone_at_every_phase_frees_the_engine(engine, phase):
     bridge = app.state.bridge
     bridge.takeover_grace_s = 0.2
     before = dict(bridge.metrics.finishes)
-    prompt = LONG_PROMPT + " " + phase if phase == "prefill" else phase
+    prompt = long_prompt(phase) if phase == "prefill" else phase
     body = anthropic_body(prompt, max_tokens=3000)
     with RunningServer(app) as srv:
         if phase == "queued":
