@@ -211,6 +211,7 @@ class Generation:
         self.closed = False
         self._last_ping = 0.0
         self._polled = time.monotonic()  # when the client's connection was last checked
+        self._held: Any = None  # an event taken off the queue, not yet returned (see _next)
 
     @property
     def cached_tokens(self) -> int:
@@ -270,10 +271,13 @@ class Generation:
 
     async def _next(self, engine_only: bool = False) -> Any:
         while True:
-            try:
-                event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                event = None
+            # An event taken off the queue is held on self until it is returned: a caller that
+            # times this call out (start()'s wait_for) can't lose it at the await below.
+            if self._held is None:
+                try:
+                    self._held = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
             # polled by the clock, not only when idle: prefill progress arrives every chunk, and
             # a client that left during a long prefill must free the engine all the same
             now = time.monotonic()
@@ -281,7 +285,8 @@ class Generation:
                 self._polled = now
                 if await self.request.is_disconnected():
                     raise ClientGone() from None
-            if event is not None:
+            if self._held is not None:
+                event, self._held = self._held, None
                 break
             if not engine_only and self.job.phase == "queued" and now - self._last_ping >= QUEUED_PING_S:
                 self._last_ping = now

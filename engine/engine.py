@@ -209,11 +209,11 @@ class Engine:
         """Queue a generation; a request the engine can't run raises here (EngineError)."""
         self._check_request(request)
         job = Job(request)
-        for observe in self.job_observers:
-            observe(job)
         with self._queue_lock:  # the same lock as close(): no job slips in after the engine stops
             if self._closed:
                 raise EngineError("engine is closed")
+            for observe in self.job_observers:  # before it can emit anything
+                observe(job)
             with self._lock:
                 self._waiting.append(job)
             self._work.put(_WAKE)

@@ -116,7 +116,7 @@ def prefill_report(target, sizes=(8192, 32768), chunk: int = 1024, full=(), rate
         flops = prefill_flops(target, n, calls)
         row = {"tokens": n, "gflop": round(flops["total"] / 1e9, 1),
                "attention_gflop": round(flops["attention"] / 1e9, 1),
-               "estimate_s": round(flops["total"] / (rate * 1e9), 2)}
+               "estimate_s": round(flops["total"] / (rate * 1e9), 4)}
         if n in full:
             if n > target.context_window:
                 row["measured_note"] = f"over the model's {target.context_window}-token window"

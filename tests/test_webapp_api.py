@@ -85,7 +85,8 @@ def test_telemetry_sees_an_anthropic_sdk_request(server):
     assert job["phase"] == "done" and job["generated"] == msg.usage.output_tokens
     assert job["prompt_tokens"] == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
     assert snap["clients"]["anthropic-sdk"]["requests"] >= 1
-    assert snap["totals"]["requests"] >= 1 and snap["queue_depth"] == 0 and snap["in_flight"] == []
+    # (the session's shared engine may still be finishing other tests' jobs)
+    assert snap["totals"]["requests"] >= 1 and not [j for j in snap["in_flight"] if j["client"] == "anthropic-sdk"]
     assert len(snap["throughput"]) == 120 and sum(row[1] for row in snap["throughput"]) >= job["generated"]
     # the live stream opens with a snapshot
     with httpx.stream("GET", server.url + "/v1/telemetry", timeout=30) as r:
