@@ -13,6 +13,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from engine.kv_disk_writer import fsync_dir  # one way to make a rename durable
+
 MAX_FILE_BYTES = 512 * 1024  # larger files won't fit a local model's context anyway
 BINARY_SNIFF_BYTES = 8192
 
@@ -149,17 +151,3 @@ def stage(path: Path, text: str) -> str:
         os.unlink(tmp)
         raise
     return tmp
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (a no-op where folders can't be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -99,6 +99,7 @@ def write_atomic(folder: Path, name: str, parts: list, suffix: str) -> tuple[Pat
 
 
 def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a no-op where folders can't be opened)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

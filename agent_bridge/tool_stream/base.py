@@ -230,6 +230,16 @@ class ReplyParser:
         self._text(self.markup)
         self.rejected, self.markup = "", ""
 
+    def end_json_call(self) -> None:
+        """End a call whose arguments came through `json_args`: an object the model left
+        malformed or unfinished is closed, so the streamed pieces still make valid JSON."""
+        if self.call is None:
+            self.end_call()
+            return
+        tail, whole = self.close_args()
+        self.end_call(complete=whole, tail="" if whole else tail,
+                      note="" if whole else "malformed arguments; closed to stay valid JSON")
+
     def json_args(self, text: str) -> str:
         """Feed the model's JSON arguments; returns what follows the object once it is complete."""
         if self.jstream is None:

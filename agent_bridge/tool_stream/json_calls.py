@@ -53,12 +53,7 @@ class Hermes(ReplyParser):
         return True
 
     def finish_call(self) -> None:
-        if self.call is not None:
-            whole = self.jstream is not None and self.jstream.complete
-            self.end_call(complete=whole, tail="" if whole else self.jstream.close(),
-                          note="" if whole else "malformed arguments; closed to stay valid JSON")
-        else:
-            self.end_call()
+        self.end_json_call()
         self.state = "text"
 
     def whole_call(self, body: str) -> None:
@@ -125,12 +120,7 @@ class Kimi(ReplyParser):
         return True
 
     def finish_call(self) -> None:
-        if self.call is not None:
-            whole = self.jstream is not None and self.jstream.complete
-            self.end_call(complete=whole, tail="" if whole else self.close_args()[0],
-                          note="" if whole else "malformed arguments; closed to stay valid JSON")
-        else:
-            self.end_call()
+        self.end_json_call()
         self.phase = "between"
 
 
@@ -180,9 +170,7 @@ class Mistral(ReplyParser):
         rest = self.json_args(text) if self.phase == "args" else self._rejected_json(text)
         self.take(len(text) - len(rest))
         if self.phase == "args" and (self.jstream.complete or self.jstream.error):
-            whole = self.jstream.complete
-            self.end_call(complete=whole, tail="" if whole else self.jstream.close(),
-                          note="" if whole else "malformed arguments; closed to stay valid JSON")
+            self.end_json_call()
             self.state = "text"
             return True
         if self.phase == "rejected" and self.jstream.complete:
