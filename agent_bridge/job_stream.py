@@ -79,14 +79,10 @@ class Bridge:
         name = model_name or Path(str(engine.info().get("model", "local-model"))).name or "local-model"
         return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer), max_queue)
 
-    def _locked(self, fn, *args):
-        # engine.encode/render_chat/decode hold the engine's one tokenizer lock themselves
-        return fn(*args)
-
     async def prompt_ids(self, req: ChatRequest, check: bool = True) -> list[int]:
         """Render the chat (tokenizing a 15k-token prompt takes a while: off the loop)."""
         try:
-            ids = await anyio.to_thread.run_sync(self._locked, self._render, req)
+            ids = await anyio.to_thread.run_sync(self._render, req)
             if check:
                 check_context(ids, self.context_window)
         except EngineError as e:
@@ -105,7 +101,7 @@ class Bridge:
         return ids
 
     async def encode(self, text: str) -> list[int]:
-        return await anyio.to_thread.run_sync(self._locked, self.engine.encode, text)
+        return await anyio.to_thread.run_sync(self.engine.encode, text)  # it holds the tokenizer lock
 
     def clamp_max_tokens(self, max_tokens: int, prompt_len: int) -> int:
         return max(1, min(max_tokens, self.context_window - prompt_len))
