@@ -1,4 +1,5 @@
-"""Export a trained ``Qwen3ForCausalLM`` in the Hugging Face layout (bf16 safetensors shards)."""
+"""Export a trained model (``Qwen3ForCausalLM`` or ``Qwen35ForCausalLM``) in the Hugging Face
+layout: bf16 safetensors shards (< 14 MB each) + index + config.json + generation_config.json."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qwen3_torch import Qwen3ForCausalLM
 
-
-def export_model(model: Qwen3ForCausalLM, out_dir, max_shard_bytes: int = 14_000_000) -> list[str]:
+def export_model(model, out_dir, max_shard_bytes: int = 14_000_000, dtype=torch.bfloat16) -> list[str]:
+    """``model`` has ``cfg.hf_config()``; ``dtype`` float32 for exact checks. Gated DeltaNet's
+    decay parameters (A_log, dt_bias) stay float32 as in the published Qwen3.5 checkpoints."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    keep32 = ("A_log", "dt_bias")
+    sd = {k: v.detach().to("cpu", torch.float32 if k.endswith(keep32) else dtype).contiguous()
+          for k, v in model.state_dict().items()}
     assert "lm_head.weight" not in sd
     shards: list[dict] = [{}]
     size = 0

@@ -51,6 +51,41 @@ def _worker_rows(args):
     return ids.astype(np.uint16), mask, rb.stats
 
 
+def build_model(args, dev):
+    """The model to train: from ``--init`` (its config.json says the family) or new, per ``--arch``."""
+    if args.init:
+        arch = json.loads((Path(args.init) / "config.json").read_text())["model_type"]
+        if arch == "qwen3_5":
+            from qwen3_5_torch import load_pretrained
+
+            model = load_pretrained(args.init, dev)
+            model.set_chunk(args.chunk)
+        else:
+            from qwen3_torch import load_pretrained
+
+            model = load_pretrained(args.init, dev)
+        log("initialised from", args.init, "model_type", arch)
+        return model, model.cfg
+    if args.arch == "qwen3_5":
+        from qwen3_5_torch import Qwen35Config, Qwen35ForCausalLM
+
+        if args.tiny:
+            cfg = Qwen35Config(vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                               linear_key_head_dim=32, linear_num_value_heads=4, linear_value_head_dim=16)
+        else:
+            cfg = Qwen35Config(vocab_size=args.vocab)
+        return Qwen35ForCausalLM(cfg, chunk=args.chunk).to(dev), cfg
+    from qwen3_torch import Qwen3Config, Qwen3ForCausalLM
+
+    if args.tiny:
+        cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    else:
+        cfg = Qwen3Config(vocab_size=args.vocab)
+    return Qwen3ForCausalLM(cfg).to(dev), cfg
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -76,6 +111,10 @@ def main():
     ap.add_argument("--tokenizer", help="reuse tokenizer.json/tokenizer_config.json from this directory")
     ap.add_argument("--mix", help="task mix, e.g. rename=0.75,edit=0.1,code=0.15 (default data.MIX)")
     ap.add_argument("--pack-retries", type=int, default=0, help="task samples tried before filling a row with code")
+    ap.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3",
+                    help="qwen3: the bundled transformer; qwen3_5: the hybrid (Gated DeltaNet + attention)")
+    ap.add_argument("--chunk", type=int, default=64, help="Gated DeltaNet chunk length (qwen3_5)")
+    ap.add_argument("--log-every", type=int, default=25, help="steps between loss / tokens-per-second lines")
     args = ap.parse_args()
 
     import torch
@@ -141,22 +180,9 @@ def main():
     assert tok.get_vocab_size() == args.vocab
 
     # ---------------- model
-    from qwen3_torch import Qwen3Config, Qwen3ForCausalLM
     from export import export_model
 
-    if args.tiny:
-        cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    else:
-        cfg = Qwen3Config(vocab_size=args.vocab)
-    if args.init:
-        from qwen3_torch import load_pretrained
-
-        model = load_pretrained(args.init, dev)
-        cfg = model.cfg
-        log("initialised from", args.init)
-    else:
-        model = Qwen3ForCausalLM(cfg).to(dev)
+    model, cfg = build_model(args, dev)
     n_params = model.num_parameters()
     stats["params"] = n_params
     log("model", cfg, "params %.2fM" % (n_params / 1e6))
@@ -230,7 +256,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         step += 1
         tokens += x.numel()
-        if step % 25 == 0 or step <= 3:
+        if step % args.log_every == 0 or step <= 3:
             lv = loss.item()
             loss_ema = lv if loss_ema is None else 0.9 * loss_ema + 0.1 * lv
             el = time.time() - t_start
