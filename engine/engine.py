@@ -129,7 +129,7 @@ class Engine:
     ):
         """`loop_guard`: end a generation whose last N committed tokens repeat one short
         n-gram (engine/loop_guard.py), as `length`; 0 (the library's default) never does."""
-        from .models import default_model_path
+        from .models import resolve_model
 
         if kv_bits not in (None, *KV_BITS):
             raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits!r}")
@@ -139,7 +139,7 @@ class Engine:
         self.kv_bits = kv_bits
         self.prefix_cache: PrefixCache | None = None
 
-        self.model_path = str(model or default_model_path())
+        self.model_path = resolve_model(model or None)  # a bundled model's name -> its folder
         if drafter:  # a head for another model is refused before the model's weights load
             from .heads.loading import precheck
 

@@ -17,7 +17,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .models import REFERENCE_MODEL_DIR
+from .models import bundled_models
 
 LMSTUDIO_DIRS = ("~/.lmstudio/models", "~/.cache/lm-studio/models")
 MAX_DEPTH = 4  # publisher/model/revision-like nesting under a models folder
@@ -376,7 +376,7 @@ def model_locations(extra_dirs: list[str | Path] = (), include_bundled: bool = T
     source that names it wins). Cheap: reads no weights and builds nothing."""
     found: list[tuple[str, Path, str]] = []
     if include_bundled:
-        found.append(("reference", REFERENCE_MODEL_DIR, "bundled"))
+        found += [(name, path, "bundled") for name, path in bundled_models()]
     found += [(repo_id, snap, "hf-cache") for repo_id, snap in hub_cache_models()]
     for root in LMSTUDIO_DIRS:
         base = Path(root).expanduser()
@@ -399,9 +399,7 @@ def find_models(extra_dirs: list[str | Path] = (), include_bundled: bool = True)
     out = []
     for name, path, source in model_locations(extra_dirs, include_bundled):
         info = describe(path, name, source)
-        if source == "bundled":
-            from .heads.registry import REFERENCE_DRAFTERS
-
-            info.drafters = {p.name: str(p) for p in sorted(REFERENCE_DRAFTERS.glob("*")) if (p / "config.json").exists()}
+        if source == "bundled":  # a bundled model's own heads live in its drafters/ folder
+            info.drafters = {p.name: str(p) for p in sorted((path / "drafters").glob("*")) if (p / "config.json").exists()}
         out.append(info)
     return out

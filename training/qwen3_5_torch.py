@@ -200,11 +200,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None):
     chunk_decay = g_last.exp()[..., None, None]  # (BH, N, 1, 1)
     S = q.new_zeros(BH, Dk, Dv) if state is None else state.float().reshape(BH, Dk, Dv)
     starts, v_news = [], []
-    for n in range(N):
-        v_new = torch.baddbmm(u[:, n], w[:, n], S, alpha=-1.0)  # u - w S
+    # unbind, not u[:, n]: indexing's backward would write a full-size zero tensor per chunk
+    for u_n, w_n, d_n, kt_n in zip(u.unbind(1), w.unbind(1), chunk_decay.unbind(1), k_tail.unbind(1)):
+        v_new = torch.baddbmm(u_n, w_n, S, alpha=-1.0)  # u - w S
         starts.append(S)
         v_news.append(v_new)
-        S = torch.baddbmm(S * chunk_decay[:, n], k_tail[:, n], v_new)
+        S = torch.baddbmm(S * d_n, kt_n, v_new)
     S0, Vn = torch.stack(starts, 1), torch.stack(v_news, 1)  # (BH, N, Dk, Dv), (BH, N, C, Dv)
     o = (q * g.exp()[..., None]) @ S0 + ((q @ k.transpose(-1, -2)) * decay) @ Vn
     return o.reshape(B, H, N * C, Dv)[:, :, :T], S.reshape(B, H, Dk, Dv)

@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3",
                     help="qwen3: the bundled transformer; qwen3_5: the hybrid (Gated DeltaNet + attention)")
     ap.add_argument("--chunk", type=int, default=64, help="Gated DeltaNet chunk length (qwen3_5)")
+    ap.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="float32 for a stage whose export only initialises the next stage")
     ap.add_argument("--log-every", type=int, default=25, help="steps between loss / tokens-per-second lines")
     args = ap.parse_args()
 
@@ -283,7 +285,7 @@ def main():
     log("validation", {k: stats[k] for k in ("val_code_loss", "val_rename_loss")})
 
     # ---------------- export
-    files = export_model(model, out)
+    files = export_model(model, out, dtype=getattr(torch, args.export_dtype))
     (out / "train_stats.json").write_text(json.dumps(stats, indent=2, default=str) + "\n")
     log("exported", files)
 
