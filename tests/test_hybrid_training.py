@@ -55,8 +55,12 @@ def random_model(cfg: Qwen35Config, chunk=16, seed=0) -> Qwen35ForCausalLM:
     return m.eval()
 
 
+@pytest.mark.parametrize("tri", ["solve", "doubling"])
 @pytest.mark.parametrize("T,chunk", [(100, 32), (64, 64), (7, 16)])
-def test_chunked_rule_equals_recurrence_with_gradients(T, chunk):
+def test_chunked_rule_equals_recurrence_with_gradients(T, chunk, tri, monkeypatch):
+    import qwen3_5_torch
+
+    monkeypatch.setattr(qwen3_5_torch, "TRI_INVERSE", tri)
     g = torch.Generator().manual_seed(T)
     B, H, Dk, Dv = 2, 3, 16, 8
 

@@ -154,11 +154,58 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         dtype = v.dtype  # bf16 under autocast
-        o = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v, is_causal=True,
-                                           enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+        o = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v, is_causal=True)
         o = o.transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(o * torch.sigmoid(gate))
+
+
+# how (I + L)^-1 is computed: "solve" (batched triangular solve) or "doubling" (matmuls only);
+# train.py times both on the device and sets the faster (pick_tri_inverse)
+TRI_INVERSE = "solve"
+
+
+def invert_unit_lower(A, method: str | None = None):
+    """(I + L)^-1 for unit lower-triangular A = I + L (batched). "doubling": with N = -L
+    nilpotent, (I + L)^-1 = (I + N)(I + N^2)(I + N^4)... (log2(C) squarings, batched matmuls)."""
+    C = A.shape[-1]
+    eye = torch.eye(C, device=A.device, dtype=A.dtype)
+    if (method or TRI_INVERSE) == "solve":
+        return torch.linalg.solve_triangular(A, eye.expand_as(A).contiguous(), upper=False, unitriangular=True)
+    M = eye - A  # N
+    P = eye + M
+    for _ in range(max(0, math.ceil(math.log2(C)) - 1)):
+        M = M @ M
+        P = P + P @ M
+    return P
+
+
+def pick_tri_inverse(device, BH=128, N=16, C=64, Dk=64, reps=3) -> dict:
+    """Time both ways of inverting (forward + backward) at training shapes; set the faster."""
+    import time
+
+    global TRI_INVERSE
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leaves the seeded RNG as it was
+        k = F.normalize(torch.randn(BH, N, C, Dk, device=device), dim=-1)
+        beta = torch.rand(BH, N, C, 1, device=device)
+    times = {}
+    for method in ("solve", "doubling"):
+        for i in range(reps + 1):
+            if i == 1:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+            L = ((k * beta) @ k.transpose(-1, -2)).tril(-1).requires_grad_()
+            A = L + torch.eye(C, device=device)
+            invert_unit_lower(A, method).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times[method] = (time.perf_counter() - t) / reps
+    TRI_INVERSE = min(times, key=times.get)
+    return {"tri_inverse": TRI_INVERSE, **{f"{m}_ms": round(v * 1e3, 3) for m, v in times.items()}}
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None):
@@ -189,10 +236,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None):
     decay = torch.where(lower, diff, torch.zeros((), device=q.device)).exp() * lower
     kb = k * beta[..., None]
     # (I + L), L = strictly-lower(beta k k^T * decay): its inverse turns a chunk's per-token
-    # delta updates into matmuls (the WY representation); one batched triangular solve
+    # delta updates into matmuls (the WY representation); one batched inverse
     A = ((kb @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(C, device=q.device)
-    Tinv = torch.linalg.solve_triangular(A, torch.eye(C, device=q.device).expand_as(A).contiguous(),
-                                         upper=False, unitriangular=True)
+    Tinv = invert_unit_lower(A)
     u = Tinv @ (v * beta[..., None])  # (BH, N, C, Dv): new values if the chunk's start state were 0
     w = Tinv @ (kb * g.exp()[..., None])  # (BH, N, C, Dk): how the start state subtracts from them
     g_last = g[..., -1]  # (BH, N)
@@ -248,9 +294,12 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x):
         B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
-        qkv = F.silu(F.conv1d(F.pad(qkv, (self.K - 1, 0)), self.conv1d.weight.to(qkv.dtype),
-                              groups=self.conv_dim)).transpose(1, 2)
+        qkv = self.in_proj_qkv(x)  # (B, T, C)
+        # causal depthwise conv as K shifted multiply-adds (no cuDNN algorithm search, no transposes)
+        xp = F.pad(qkv, (0, 0, self.K - 1, 0))
+        w = self.conv1d.weight[:, 0].to(qkv.dtype)  # (C, K)
+        conv = sum(xp[:, j:j + T] * w[:, j] for j in range(self.K))
+        qkv = F.silu(conv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.hk, self.dk).float()
         k = k.reshape(B, T, self.hk, self.dk).float()

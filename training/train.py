@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3",
                     help="qwen3: the bundled transformer; qwen3_5: the hybrid (Gated DeltaNet + attention)")
     ap.add_argument("--chunk", type=int, default=64, help="Gated DeltaNet chunk length (qwen3_5)")
+    ap.add_argument("--tri", choices=("auto", "solve", "doubling"), default="auto",
+                    help="qwen3_5: how the chunk's (I + A)^-1 is computed; auto times both on this device")
     ap.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="float32 for a stage whose export only initialises the next stage")
     ap.add_argument("--log-every", type=int, default=25, help="steps between loss / tokens-per-second lines")
@@ -185,6 +187,18 @@ def main():
     from export import export_model
 
     model, cfg = build_model(args, dev)
+    if type(model).__name__ == "Qwen35ForCausalLM":
+        import qwen3_5_torch
+
+        if args.tri == "auto":
+            H = cfg.linear_num_value_heads
+            stats["tri_inverse"] = qwen3_5_torch.pick_tri_inverse(
+                torch.device(dev), BH=args.batch * H, N=max(1, args.seq_len // args.chunk), C=args.chunk,
+                Dk=cfg.linear_key_head_dim)
+        else:
+            qwen3_5_torch.TRI_INVERSE = args.tri
+            stats["tri_inverse"] = {"tri_inverse": args.tri}
+        log("gated delta rule: chunk", args.chunk, stats["tri_inverse"])
     n_params = model.num_parameters()
     stats["params"] = n_params
     log("model", cfg, "params %.2fM" % (n_params / 1e6))
