@@ -92,8 +92,8 @@ def test_chunk_scan_backward_is_the_gradient():
     def t(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).requires_grad_()
 
-    args = (t(BH, N, C, Dv), t(BH, N, C, Dk, scale=0.5), torch.rand(BH, N, 1, 1, generator=g, dtype=torch.float64)
-            .requires_grad_(), t(BH, N, Dk, C, scale=0.5), t(BH, Dk, Dv))
+    args = (t(N, BH, C, Dv), t(N, BH, C, Dk, scale=0.5), torch.rand(N, BH, 1, 1, generator=g, dtype=torch.float64)
+            .requires_grad_(), t(N, BH, Dk, C, scale=0.5), t(BH, Dk, Dv))  # chunk-major
     assert torch.autograd.gradcheck(ChunkScan.apply, args)
 
 

@@ -245,52 +245,56 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 64, state=None):
     k_tail = (k * (g_last[..., None] - g).exp()[..., None]).transpose(-1, -2).contiguous()  # (BH, N, Dk, C)
     chunk_decay = g_last.exp()[..., None, None]  # (BH, N, 1, 1)
     S = q.new_zeros(BH, Dk, Dv) if state is None else state.float().reshape(BH, Dk, Dv)
-    S0, Vn, S = ChunkScan.apply(u, w, chunk_decay, k_tail, S)  # (BH, N, Dk, Dv), (BH, N, C, Dv), (BH, Dk, Dv)
+    S0, Vn, S = ChunkScan.apply(*(t.transpose(0, 1).contiguous() for t in (u, w, chunk_decay, k_tail)), S)
+    S0, Vn = S0.transpose(0, 1), Vn.transpose(0, 1)  # (BH, N, Dk, Dv), (BH, N, C, Dv)
     o = (q * g.exp()[..., None]) @ S0 + ((q @ k.transpose(-1, -2)) * decay) @ Vn
     return o.reshape(B, H, N * C, Dv)[:, :, :T], S.reshape(B, H, Dk, Dv)
 
 
 class ChunkScan(torch.autograd.Function):
     """The loop over chunks, with its backward written out (a reverse loop of plain kernels: no
-    autograd bookkeeping per chunk, which would dominate a GPU step).
+    autograd bookkeeping per chunk, which would dominate a GPU step). Chunk-major inputs, so each
+    chunk's slice is contiguous: u (N, BH, C, Dv), w (N, BH, C, Dk), d (N, BH, 1, 1),
+    kt (N, BH, Dk, C), S (BH, Dk, Dv).
 
-    Per chunk n: V_n = u_n - w_n S_n;  S_{n+1} = d_n S_n + K_n V_n  (K_n = k_tail_n, Dk x C).
-    Returns every chunk's start state S_n, every V_n, and the final state.
+    Per chunk n: V_n = u_n - w_n S_n;  S_{n+1} = d_n S_n + K_n V_n  (K_n = kt_n, Dk x C).
+    Returns every chunk's start state S_n (N, BH, Dk, Dv), every V_n (N, BH, C, Dv), the final state.
     """
 
     @staticmethod
     def forward(ctx, u, w, d, kt, S):
-        starts, vs = [], []
-        for u_n, w_n, d_n, kt_n in zip(u.unbind(1), w.unbind(1), d.unbind(1), kt.unbind(1)):
-            v_n = torch.baddbmm(u_n, w_n, S, alpha=-1.0)
-            starts.append(S)
-            vs.append(v_n)
-            S = torch.baddbmm(S * d_n, kt_n, v_n)
-        S_all, V = torch.stack(starts, 1), torch.stack(vs, 1)
+        N = u.shape[0]
+        S_all = u.new_empty(N, *S.shape)
+        V = torch.empty_like(u)
+        for n in range(N):
+            S_all[n] = S
+            torch.baddbmm(u[n], w[n], S, alpha=-1.0, out=V[n])
+            S = torch.baddbmm(S * d[n], kt[n], V[n])
         ctx.save_for_backward(w, d, kt, S_all, V)
         return S_all, V, S
 
     @staticmethod
     def backward(ctx, g_starts, g_V, g_S):
         w, d, kt, S_all, V = ctx.saved_tensors
-        N = V.shape[1]
-        G = torch.zeros_like(S_all[:, 0]) if g_S is None else g_S.contiguous()
-        du, dw, dd, dkt = [None] * N, [None] * N, [None] * N, [None] * N
+        N = V.shape[0]
+        G = torch.zeros_like(S_all[0]) if g_S is None else g_S.contiguous()
+        du, dw, dkt = torch.empty_like(V), torch.empty_like(w), torch.empty_like(kt)
+        dd = torch.empty_like(d)
         for n in range(N - 1, -1, -1):
-            S_n, V_n, w_n, d_n, kt_n = S_all[:, n], V[:, n], w[:, n], d[:, n], kt[:, n]
             # through S_{n+1} = d_n S_n + K_n V_n
-            dkt[n] = G @ V_n.transpose(-1, -2)
-            dV = torch.bmm(kt_n.transpose(-1, -2), G)
+            torch.bmm(G, V[n].transpose(-1, -2), out=dkt[n])
+            dV = du[n]
             if g_V is not None:
-                dV = dV + g_V[:, n]
-            dd[n] = (G * S_n).sum((-1, -2), keepdim=True)
+                torch.baddbmm(g_V[n], kt[n].transpose(-1, -2), G, out=dV)
+            else:
+                torch.bmm(kt[n].transpose(-1, -2), G, out=dV)
+            torch.sum(G * S_all[n], (-1, -2), keepdim=True, out=dd[n])
             # through V_n = u_n - w_n S_n
-            du[n] = dV
-            dw[n] = -dV @ S_n.transpose(-1, -2)
-            G = torch.baddbmm(G * d_n, w_n.transpose(-1, -2), dV, alpha=-1.0)
+            torch.bmm(dV, S_all[n].transpose(-1, -2), out=dw[n])
+            G = torch.baddbmm(G * d[n], w[n].transpose(-1, -2), dV, alpha=-1.0)
             if g_starts is not None:
-                G = G + g_starts[:, n]
-        return torch.stack(du, 1), torch.stack(dw, 1), torch.stack(dd, 1), torch.stack(dkt, 1), G
+                G = G + g_starts[n]
+        return du, dw.neg_(), dd, dkt, G
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state=None):
