@@ -192,9 +192,15 @@ def main():
 
         if args.tri == "auto":
             H = cfg.linear_num_value_heads
-            stats["tri_inverse"] = qwen3_5_torch.pick_tri_inverse(
-                torch.device(dev), BH=args.batch * H, N=max(1, args.seq_len // args.chunk), C=args.chunk,
-                Dk=cfg.linear_key_head_dim)
+            try:
+                stats["tri_inverse"] = qwen3_5_torch.pick_tri_inverse(
+                    torch.device(dev), BH=args.batch * H, N=max(1, args.seq_len // args.chunk), C=args.chunk,
+                    Dk=cfg.linear_key_head_dim)
+            except Exception as e:  # a failed probe must not cost the run: the solve always works
+                qwen3_5_torch.TRI_INVERSE = "solve"
+                stats["tri_inverse"] = {"tri_inverse": "solve", "probe_error": repr(e)[:200]}
+            if dev == "cuda":
+                torch.cuda.empty_cache()
         else:
             qwen3_5_torch.TRI_INVERSE = args.tri
             stats["tri_inverse"] = {"tri_inverse": args.tri}
