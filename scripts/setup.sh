@@ -25,3 +25,11 @@ fi
 if command -v npm >/dev/null && [ ! -x .node/node_modules/.bin/codex ]; then
   npm install --prefix .node --silent --no-audit --no-fund @openai/codex >/dev/null
 fi
+# PyTorch (CPU) for the training tests (tests/test_hybrid_training.py: the PyTorch hybrid decoder
+# equals mlx-lm's on its export), from a local CPU wheel where the machine has one (PyPI's
+# default torch pulls CUDA libraries); without it those tests skip.
+PYTAG=$(.venv/bin/python -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+TORCH_WHEEL=$(ls /opt/wheels/torch-*+cpu-"$PYTAG"-*.whl 2>/dev/null | head -1 || true)
+if [ -n "$TORCH_WHEEL" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "$TORCH_WHEEL" safetensors || echo "setup: torch not installed; training tests skip"
+fi
