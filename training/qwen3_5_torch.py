@@ -277,6 +277,9 @@ class ChunkScan(torch.autograd.Function):
     def backward(ctx, g_starts, g_V, g_S):
         w, d, kt, S_all, V = ctx.saved_tensors
         N = V.shape[0]
+        # the outer code transposes S_all and V back: their grads arrive strided; one copy each
+        g_starts = None if g_starts is None else g_starts.contiguous()
+        g_V = None if g_V is None else g_V.contiguous()
         G = torch.zeros_like(S_all[0]) if g_S is None else g_S.contiguous()
         du, dw, dkt = torch.empty_like(V), torch.empty_like(w), torch.empty_like(kt)
         dd = torch.empty_like(d)
