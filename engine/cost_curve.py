@@ -146,6 +146,11 @@ class CostCurve:
         """[cost(1), cost(2), ... cost(max_width)] relative to width 1 at `depth`."""
         return [self.relative(w, depth) for w in range(1, max_width + 1)]
 
+    def for_rollback(self, mode: str) -> "CostCurve":
+        """This curve as measured with the other way of taking back a draft (recurrent models)."""
+        return CostCurve(self.widths, self.depths, self.rollback_seconds[mode], key=self.key,
+                         measured=self.measured, rollback=mode, rollback_seconds=self.rollback_seconds)
+
     def best_perfect_speedup(self, depth: int, max_width: int = MAX_WIDTH) -> tuple[int, float]:
         """(width, (width)/cost(width)): the most a drafter that is always right could gain."""
         costs = self.costs(depth, max_width)
@@ -300,8 +305,10 @@ def pick_rollback(seconds_by_mode: dict[str, list[list[float]]]) -> str:
 
 
 def state_rollback(target, kv_bits: int | None = None) -> str:
-    """How this target's recurrent layers take back a draft: the measured curve's pick
-    (`mlx-dspark tune`), else DEFAULT_ROLLBACK."""
+    """How this target's recurrent layers take back a draft: `target.state_rollback` where
+    set, else the measured curve's pick (`mlx-dspark tune`), else DEFAULT_ROLLBACK."""
+    if getattr(target, "state_rollback", None):
+        return target.state_rollback
     key = curve_key(target, kv_bits)
     curve = _memo.get(str(curve_path(key))) or load_cost_curve(key)
     return (curve.rollback if curve is not None else "") or DEFAULT_ROLLBACK

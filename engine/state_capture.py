@@ -1,9 +1,10 @@
 """Per-position recurrent state capture: take back a rejected draft without a replay.
 
 A verify pass of width T runs every recurrent layer over T positions. While a `recording()`
-is open, the recurrence runs one position at a time through the very function mlx-lm
-calls (`gated_delta_ops` / `gated_delta_kernel` for Gated DeltaNet, `ssm_attn` for
-Mamba 2) and the state after each position is kept; every `nn.Conv1d` input is kept too
+is open, the state after each position is kept: Gated DeltaNet runs one position at a
+time through the very function mlx-lm calls (`gated_delta_ops` / `gated_delta_kernel`),
+Mamba 2's `ssm_attn` runs as is and its per-position states are computed beside it in
+closed form; every `nn.Conv1d` input is kept too
 (a short conv's input is its old state followed by the pass's inputs, so the conv state
 after j accepted tokens is rows j .. j + kernel - 2 of it: no capture needed beyond the
 input). `bind` then maps those to the cache's slots, and `Capture.slots_after(leaf, j)`
@@ -15,9 +16,9 @@ Nothing in mlx-lm's model files is forked: `install()` routes those three functi
 (one verify forward, on the thread that runs it). A layer is matched to its captured states
 by the identity of the state array the model stores in its cache, and conv inputs by call
 order, checked by shape; where a family doesn't fit (another recurrence, masks, batches),
-`bind` returns None and the round keeps snapshot + replay. Stepping one position at a time
-is what plain decoding does, so outputs stay those of mlx-lm; whether it is cheaper than a
-replay depends on the model and device: `cost_curve` measures both and picks.
+`bind` returns None and the round keeps snapshot + replay. The verify pass's outputs are the
+same bits with or without a recording; whether capture is cheaper than a replay depends on
+the model and device: `cost_curve` measures both and picks.
 """
 
 from __future__ import annotations
@@ -136,27 +137,36 @@ def _stepwise_gated_delta(run):
     return stepwise
 
 
-def _stepwise_ssm_attn(run):
-    """mlx-lm's Mamba 2 `ssm_attn`, one position at a time while recording: the same call
-    plain decoding makes for each token (its chunked form keeps only the last state)."""
+def _ssm_attn_with_states(run):
+    """mlx-lm's Mamba 2 `ssm_attn` (its outputs untouched); while recording, also the state
+    after every position. The chunked form keeps only the last one; the others follow from
+    the same quantities in closed form, S_t = e^(a_1+..+a_t) S_0 + sum_s e^(a_s+1+..+a_t) dt_s x_s B_s,
+    one (positions x positions) matmul per head."""
 
-    def stepwise(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001, 100.0),
-                 mask=None, lengths=None, step=256):
+    def with_states(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001, 100.0),
+                    mask=None, lengths=None, step=256):
+        y, last = run(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask=mask, lengths=lengths, step=step)
         tape = _tape()
-        if tape is None or x.shape[1] == 1 or mask is not None or lengths is not None:
-            return run(x, A_log, B, C, D, dt, dt_bias, state, time_step_limit,
-                       mask=mask, lengths=lengths, step=step)
-        ys, states = [], []
-        for t in range(x.shape[1]):
-            at = slice(t, t + 1)
-            y, state = run(x[:, at], A_log, B[:, at], C[:, at], D, dt[:, at], dt_bias, state, time_step_limit)
-            ys.append(y)
-            states.append(state)
-        tape.add_states(states)
-        return mx.concatenate(ys, axis=1), state
+        if tape is None or x.shape[1] == 1 or x.shape[1] > step or mask is not None or lengths is not None:
+            return y, last
+        b, l, h, dh = x.shape
+        g, n = B.shape[-2:]
+        dt = ssm.compute_dt(dt, dt_bias, time_step_limit)  # (b, l, h)
+        dtA = dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1)
+        decay = mx.tril(mx.exp(ssm.segsum(dtA.swapaxes(1, 2))))  # (b, h, t, s): e^(a_s+1 + .. + a_t), s <= t
+        dtx = (dt[..., None] * x).swapaxes(1, 2)  # (b, h, l, dh)
+        Bh = mx.repeat(B, h // g, axis=2).swapaxes(1, 2)  # (b, h, l, n): head i reads group i // (h/g)
+        inputs = (dtx[..., :, None] * Bh[..., None, :]).reshape(b, h, l, dh * n)
+        states = (decay.astype(inputs.dtype) @ inputs).reshape(b, h, l, dh, n)
+        if state is not None:
+            carried = mx.exp(mx.cumsum(dtA, axis=1)).swapaxes(1, 2)  # (b, h, l)
+            states = states + carried[..., None, None] * state[:, :, None]
+        states = states.astype(last.dtype)
+        tape.add_states([states[:, :, t] for t in range(l - 1)] + [last])
+        return y, last
 
-    stepwise.__wrapped__ = run
-    return stepwise
+    with_states.__wrapped__ = run
+    return with_states
 
 
 def _taped_conv1d(call):
@@ -176,7 +186,7 @@ def install() -> None:
         return
     gated_delta.gated_delta_ops = _stepwise_gated_delta(gated_delta.gated_delta_ops)
     gated_delta.gated_delta_kernel = _stepwise_gated_delta(gated_delta.gated_delta_kernel)
-    ssm.ssm_attn = _stepwise_ssm_attn(ssm.ssm_attn)
+    ssm.ssm_attn = _ssm_attn_with_states(ssm.ssm_attn)
     nn.Conv1d.__call__ = _taped_conv1d(nn.Conv1d.__call__)
 
 

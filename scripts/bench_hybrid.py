@@ -99,18 +99,21 @@ def quantized_matmul_widths(n: int = 4096, repeats: int = 7) -> None:
 def curves(args) -> None:
     """cost(width) / cost(1) of a verify pass per family, as `mlx-dspark tune` measures it."""
     from engine.cost_curve import measure_cost_curve
-    from engine.rollback import needs_replay
     from engine.target import load_target
     from tiny_models import build_family_model
 
-    print(f"{'family':<18}{'replay':>7}{'cost(4)':>9}{'cost(16)':>10}{'cost(32)':>10}")
+    print("cost(w) = seconds of a width-w verify pass, half of it taken back, over a plain width-1 step")
+    print(f"{'family':<18}{'rollback':>9}{'cost(4)':>9}{'cost(16)':>10}{'cost(32)':>10}   picked")
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
             target = load_target(build_family_model(Path(tmp) / family, family, seed=5))
             curve = measure_cost_curve(target, widths=(1, 4, 16, 32), depths=(256,), repeats=args.repeats)
-            r = [curve.relative(w, 256) for w in (4, 16, 32)]
-            print(f"{family:<18}{str(needs_replay(target.make_cache())):>7}{r[0]:>9.2f}{r[1]:>10.2f}{r[2]:>10.2f}",
-                  flush=True)
+            plain = curve.step_seconds(1, 256)  # the cheaper way's width 1: the same pass either way
+            for mode in sorted(curve.rollback_seconds) or [""]:
+                c = curve.for_rollback(mode) if mode else curve
+                r = [c.step_seconds(w, 256) / plain for w in (4, 16, 32)]
+                mark = "*" if mode == curve.rollback else ""
+                print(f"{family:<18}{mode or '-':>9}{r[0]:>9.2f}{r[1]:>10.2f}{r[2]:>10.2f}   {mark}", flush=True)
 
 
 def bench_family(family: str, tmp: Path, args, window: int) -> list[dict]:
