@@ -3,8 +3,8 @@
 A verify pass of width T runs every recurrent layer over T positions. While a `recording()`
 is open, the state after each position is kept: Gated DeltaNet runs one position at a
 time through the very function mlx-lm calls (`gated_delta_ops` / `gated_delta_kernel`),
-Mamba 2's `ssm_attn` runs as is and its per-position states are computed beside it in
-closed form; every `nn.Conv1d` input is kept too
+Mamba 2's `ssm_attn` runs as is and the state after any position follows in closed form,
+built only for the position a rollback asks for; every `nn.Conv1d` input is kept too
 (a short conv's input is its old state followed by the pass's inputs, so the conv state
 after j accepted tokens is rows j .. j + kernel - 2 of it: no capture needed beyond the
 input). `bind` then maps those to the cache's slots, and `Capture.slots_after(leaf, j)`
@@ -39,11 +39,12 @@ class Tape:
     """What one verify forward's recurrences left behind, in call order."""
 
     def __init__(self) -> None:
-        self.states: dict[int, list] = {}  # id(final state) -> state after each position
+        # id(final state) -> (final state, positions, state_after(j) for j in 1..positions)
+        self.states: dict[int, tuple] = {}
         self.convs: list[mx.array] = []  # each Conv1d's input: old conv state, then new inputs
 
-    def add_states(self, states: list) -> None:
-        self.states[id(states[-1])] = states  # the list holds the array: its id stays unique
+    def add_states(self, last: mx.array, positions: int, state_after) -> None:
+        self.states[id(last)] = (last, positions, state_after)  # holding `last` keeps its id unique
 
 
 def _tape() -> Tape | None:
@@ -67,14 +68,14 @@ class Capture:
     """Each recurrent layer's slots after every position of one verify forward."""
 
     def __init__(self, per_leaf: dict[int, list]):
-        self._per_leaf = per_leaf  # id(ArraysCache) -> per slot: ("state", [s1..sT]) | ("conv", x, n_keep)
+        self._per_leaf = per_leaf  # id(ArraysCache) -> per slot: ("state", state_after) | ("conv", x, n_keep)
 
     def slots_after(self, leaf, kept: int) -> list:
         """The leaf's cache slots after the first `kept` (>= 1) positions of the pass."""
         out = []
         for slot in self._per_leaf[id(leaf)]:
             if slot[0] == "state":
-                out.append(slot[1][kept - 1])
+                out.append(slot[1](kept))
             else:
                 _, x, n_keep = slot
                 out.append(x[:, kept : kept + n_keep, :])
@@ -95,9 +96,9 @@ def bind(tape: Tape | None, cache: list, fed: int) -> Capture | None:
             continue
         slots = []
         for value in c.cache:
-            states = tape.states.get(id(value))
-            if states is not None and states[-1] is value and len(states) == fed:
-                slots.append(("state", states))
+            last, positions, state_after = tape.states.get(id(value), (None, 0, None))
+            if last is value and positions == fed:
+                slots.append(("state", state_after))
                 continue
             x = next(convs, None)
             if value is None or x is None or x.ndim != 3 or value.ndim != 3:
@@ -124,13 +125,15 @@ def _stepwise_gated_delta(run):
         tape = _tape()
         if tape is None or q.shape[1] == 1 or mask is not None:
             return run(q, k, v, g, beta, state, mask)
+        if (repeat := v.shape[-2] // q.shape[-2]) > 1:  # grouped heads: repeat once, not per step
+            q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
         ys, states = [], []
         for t in range(q.shape[1]):
             at = slice(t, t + 1)
             y, state = run(q[:, at], k[:, at], v[:, at], g[:, at], beta[:, at], state, None)
             ys.append(y)
             states.append(state)
-        tape.add_states(states)
+        tape.add_states(state, len(states), lambda j: states[j - 1])
         return mx.concatenate(ys, axis=1), state
 
     stepwise.__wrapped__ = run
@@ -139,9 +142,9 @@ def _stepwise_gated_delta(run):
 
 def _ssm_attn_with_states(run):
     """mlx-lm's Mamba 2 `ssm_attn` (its outputs untouched); while recording, also the state
-    after every position. The chunked form keeps only the last one; the others follow from
-    the same quantities in closed form, S_t = e^(a_1+..+a_t) S_0 + sum_s e^(a_s+1+..+a_t) dt_s x_s B_s,
-    one (positions x positions) matmul per head."""
+    after any position j, in closed form from the same quantities (the chunked form keeps
+    only the last): S_j = e^(a_1+..+a_j) S_0 + sum_(s<=j) e^(a_s+1+..+a_j) dt_s x_s B_s^T.
+    Built only for the j a rollback asks for: one (head_dim x j) @ (j x state) matmul per head."""
 
     def with_states(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001, 100.0),
                     mask=None, lengths=None, step=256):
@@ -149,20 +152,24 @@ def _ssm_attn_with_states(run):
         tape = _tape()
         if tape is None or x.shape[1] == 1 or x.shape[1] > step or mask is not None or lengths is not None:
             return y, last
-        b, l, h, dh = x.shape
-        g, n = B.shape[-2:]
-        dt = ssm.compute_dt(dt, dt_bias, time_step_limit)  # (b, l, h)
-        dtA = dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1)
-        decay = mx.tril(mx.exp(ssm.segsum(dtA.swapaxes(1, 2))))  # (b, h, t, s): e^(a_s+1 + .. + a_t), s <= t
-        dtx = (dt[..., None] * x).swapaxes(1, 2)  # (b, h, l, dh)
-        Bh = mx.repeat(B, h // g, axis=2).swapaxes(1, 2)  # (b, h, l, n): head i reads group i // (h/g)
-        inputs = (dtx[..., :, None] * Bh[..., None, :]).reshape(b, h, l, dh * n)
-        states = (decay.astype(inputs.dtype) @ inputs).reshape(b, h, l, dh, n)
-        if state is not None:
-            carried = mx.exp(mx.cumsum(dtA, axis=1)).swapaxes(1, 2)  # (b, h, l)
-            states = states + carried[..., None, None] * state[:, :, None]
-        states = states.astype(last.dtype)
-        tape.add_states([states[:, :, t] for t in range(l - 1)] + [last])
+        l, h = x.shape[1], x.shape[2]
+        g = B.shape[-2]
+
+        def state_after(j: int) -> mx.array:
+            if j == l:
+                return last
+            d = ssm.compute_dt(dt[:, :j], dt_bias, time_step_limit)  # (b, j, h)
+            dA = d * (-mx.exp(A_log).astype(d.dtype)).reshape(1, 1, -1)
+            total = mx.sum(dA, axis=1, keepdims=True)
+            weight = mx.exp(total - mx.cumsum(dA, axis=1))  # e^(a_s+1 + .. + a_j), (b, j, h)
+            dtx = ((d * weight)[..., None] * x[:, :j]).transpose(0, 2, 3, 1)  # (b, h, dh, j)
+            Bh = mx.repeat(B[:, :j], h // g, axis=2).swapaxes(1, 2)  # (b, h, j, n): head i reads group i // (h/g)
+            s = dtx.astype(Bh.dtype) @ Bh
+            if state is not None:
+                s = s + mx.exp(total)[:, 0, :, None, None] * state
+            return s.astype(last.dtype)
+
+        tape.add_states(last, l, state_after)
         return y, last
 
     with_states.__wrapped__ = run
