@@ -81,13 +81,14 @@ def _slots(cache) -> list:
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_capture_restores_what_replay_restores(family, models):
-    """After a verify pass of 11 tokens, keeping j of them: every layer's state from the capture
-    equals the state a replay of the j tokens builds, and so does the next pass's output; a
-    second take-back (a stop mid-round, `keep_only`) works from the same capture."""
+    """After a verify pass of 11 tokens, keeping j of them (every j: a draft rejected at each
+    position): every layer's state from the capture equals the state a replay of the j tokens
+    builds, and so does the next pass's output; a second take-back (a stop mid-round,
+    `keep_only`) works from the same capture."""
     target = load_target(models(family))
     assert needs_replay(target.make_cache())
     context, fed = list(range(5, 5 + WINDOW + 7)), list(range(60, 71))
-    for kept, then in ((1, None), (4, None), (10, None), (7, 3)):
+    for kept, then in [(j, None) for j in range(1, len(fed))] + [(7, 3), (10, 1)]:
         captured_cache, replayed = target.make_cache(), target.make_cache()
         for c in (captured_cache, replayed):
             target.forward(context, c)
