@@ -21,6 +21,7 @@ import numpy as np
 from .drafter import Drafter
 from .errors import CancelledError
 from .rollback import mark, needs_replay, supports_drafts, take_back
+from .state_capture import fits
 from .sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
 from .target import Target
 
@@ -110,7 +111,8 @@ def speculative_rounds(
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]
         before = mark(cache) if draft_tokens else None
-        fwd = Forward(inputs, cache, tuple(drafter.tap_layers), capture=capture and bool(draft_tokens))
+        fwd = Forward(inputs, cache, tuple(drafter.tap_layers),
+                      capture=capture and bool(draft_tokens) and fits(cache, len(inputs)))
         if defer_forward:
             yield fwd
         else:

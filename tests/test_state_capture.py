@@ -26,6 +26,7 @@ from engine.cost_curve import (
     save_cost_curve,
     state_rollback,
 )
+from engine import state_capture
 from engine.rollback import leaves, mark, needs_replay, take_back
 from engine.state_capture import Capture, bind, recording
 from engine.target import load_target
@@ -137,9 +138,10 @@ def test_bind_refuses_what_it_cannot_explain(models):
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
-def test_capture_and_replay_decode_the_same(family, models):
+def test_capture_and_replay_decode_the_same(family, models, monkeypatch):
     """Both ways give mlx-lm's greedy tokens with drafts accepted in full and rejected at
-    several positions; replay runs more forwards (so each way really ran)."""
+    several positions; replay runs more forwards (so each way really ran), and so does a
+    capture that would exceed its memory budget (it replays)."""
     with Engine(str(models(family)), prefix_cache=False) as engine:
         rng = random.Random(11)
         vocab = engine.target.vocab_size
@@ -152,14 +154,16 @@ def test_capture_and_replay_decode_the_same(family, models):
             corpora.append(prompt + wrong)
         forwards = {}
         plain_forward = engine.target.forward
-        for mode in ("capture", "replay"):
+        for mode in ("capture", "replay", "over budget"):
             calls = [0]
+            if mode == "over budget":
+                monkeypatch.setattr(state_capture, "CAPTURE_BYTES", 1)
 
             def counting(tokens, cache, calls=calls):
                 calls[0] += 1
                 return plain_forward(tokens, cache)
 
-            engine.target.forward, engine.target.state_rollback = counting, mode
+            engine.target.forward, engine.target.state_rollback = counting, mode.replace("over budget", "capture")
             try:
                 for j, corpus in enumerate(corpora):
                     for cap in (12, 3):
@@ -170,6 +174,7 @@ def test_capture_and_replay_decode_the_same(family, models):
                 engine.target.state_rollback = None
             forwards[mode] = calls[0]
         assert forwards["replay"] > forwards["capture"], forwards
+        assert forwards["over budget"] == forwards["replay"], forwards
 
 
 @pytest.mark.parametrize("family", ["nemotron_h"])
