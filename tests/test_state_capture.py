@@ -237,3 +237,12 @@ def test_roofline_reports_the_pick(models, cache_home):
     assert report["rollback"] == "capture"
     assert report["rollback_cost"] == {"capture": {"4": 1.2, "16": 2.0}, "replay": {"4": 2.0, "16": 5.0}}
     assert "rollback" not in roofline(target, CostCurve([1, 4], [64], [[0.01, 0.02]]), bandwidth=1e10)
+
+
+def test_a_model_that_cannot_be_captured_replays(models, monkeypatch):
+    """Where no verify pass of the model binds (a recurrence the capture doesn't route), the
+    curve measures replay alone and picks it."""
+    monkeypatch.setattr(state_capture, "bind", lambda tape, cache, fed: None)
+    target = load_target(models("lfm2"))
+    curve = measure_cost_curve(target, widths=(1, 2, 4), depths=(16,), repeats=1)
+    assert curve.rollback == "replay" and set(curve.rollback_seconds) == {"replay"}
