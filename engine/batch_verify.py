@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .state_capture import bind, recording
 from .target import Target
 
 
@@ -29,12 +30,16 @@ class Forward:
     cache: list
     taps: tuple[int, ...] = ()
     result: tuple | None = None  # (logits (n, vocab), hidden (n, taps*hidden) or None)
+    capture: bool = False  # keep recurrent states per position (engine/state_capture.py)
+    captured: object = None  # the state_capture.Capture, where the pass could be captured
 
     def run(self, target: Target) -> None:
-        if self.taps:
-            self.result = target.forward_tapped(self.tokens, self.cache, self.taps)
-        else:
-            self.result = (target.forward(self.tokens, self.cache), None)
+        with recording(self.capture) as tape:
+            if self.taps:
+                self.result = target.forward_tapped(self.tokens, self.cache, self.taps)
+            else:
+                self.result = (target.forward(self.tokens, self.cache), None)
+        self.captured = bind(tape, self.cache, len(self.tokens))
 
 
 # Wider forwards (long drafts: refactors, copies) already keep the machine busy, and each

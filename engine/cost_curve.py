@@ -5,6 +5,11 @@ depends on the machine (BLAS, GPU, memory bandwidth), the model, its
 dtype/quantisation and the KV cache's bits, so it is measured once per such key and
 cached as JSON under the user's cache directory. `draft_control.py` reads it per
 round; `roofline.py` reports it.
+
+On models with recurrent layers a rejected draft is taken back either from a per-position
+capture made during the verify pass or by a snapshot and a replay of the kept tokens
+(engine/rollback.py, engine/state_capture.py). Both are timed, the cheaper is the curve's
+`rollback` and its seconds are the curve's, so `--max-draft auto` plans with what runs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ QUICK_WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # a re-measure on the request path
 # Without a measurement, assume each extra token in a verify pass costs 15% of a
 # one-token step (a small model on a CPU); a large model or a GPU is cheaper.
 DEFAULT_MARGINAL_COST = 0.15
+# Unmeasured, recurrent layers capture: on CPU and CUDA mlx-lm's Gated DeltaNet already
+# steps one position at a time, and a replay costs a whole forward of the kept tokens.
+DEFAULT_ROLLBACK = "capture"
+ROLLBACK_MODES = ("capture", "replay")
 
 
 # -- where curves live --------------------------------------------------------------
@@ -92,6 +101,10 @@ class CostCurve:
     measured: bool = True  # False: the conservative default, not this machine's numbers
     measured_at: str = ""
     measure_s: float = 0.0
+    # recurrent models: how a draft is taken back ("capture" or "replay", the cheaper
+    # measured), with each way's seconds (same shape as `seconds`); "" and {} otherwise
+    rollback: str = ""
+    rollback_seconds: dict = field(default_factory=dict)
 
     @classmethod
     def default(cls, key: dict | None = None) -> "CostCurve":
@@ -133,6 +146,11 @@ class CostCurve:
         """[cost(1), cost(2), ... cost(max_width)] relative to width 1 at `depth`."""
         return [self.relative(w, depth) for w in range(1, max_width + 1)]
 
+    def for_rollback(self, mode: str) -> "CostCurve":
+        """This curve as measured with the other way of taking back a draft (recurrent models)."""
+        return CostCurve(self.widths, self.depths, self.rollback_seconds[mode], key=self.key,
+                         measured=self.measured, rollback=mode, rollback_seconds=self.rollback_seconds)
+
     def best_perfect_speedup(self, depth: int, max_width: int = MAX_WIDTH) -> tuple[int, float]:
         """(width, (width)/cost(width)): the most a drafter that is always right could gain."""
         costs = self.costs(depth, max_width)
@@ -147,6 +165,8 @@ class CostCurve:
             "measured": self.measured,
             "measured_at": self.measured_at,
             "measure_s": self.measure_s,
+            "rollback": self.rollback,
+            "rollback_seconds": self.rollback_seconds,
         }
 
     @classmethod
@@ -159,6 +179,9 @@ class CostCurve:
             measured=bool(d.get("measured", True)),
             measured_at=str(d.get("measured_at", "")),
             measure_s=float(d.get("measure_s", 0.0)),
+            rollback=str(d.get("rollback", "")),
+            rollback_seconds={str(m): [[float(x) for x in row] for row in rows]
+                              for m, rows in (d.get("rollback_seconds") or {}).items()},
         )
 
 
@@ -179,14 +202,17 @@ def measure_cost_curve(
 
     The context is random token ids: attention cost depends on its length, not its text.
     Each pass is rolled back, so every width is measured at the same depth. Where taking
-    back a draft replays the kept tokens (recurrent layers, engine/rollback.py), a pass of
-    width w is charged the replay of half of it too, as if half the draft were rejected.
+    back a draft involves recurrent layers (engine/rollback.py), a pass of width w is charged
+    taking back half of it, as if half the draft were rejected, once per way: with a
+    per-position capture and with a replay of the kept tokens. The cheaper way over the
+    whole curve is its `rollback` (replay where the model can't be captured).
     """
     import mlx.core as mx
     import numpy as np
 
     from .kv_segments import fresh_cache
     from .rollback import mark, needs_replay, take_back
+    from .state_capture import bind, recording
 
     widths = sorted(set(int(w) for w in widths))
     if not widths or widths[0] != 1:
@@ -196,7 +222,8 @@ def measure_cost_curve(
     rng = np.random.default_rng(seed)
     vocab = target.vocab_size
     t_start = time.perf_counter()
-    rows = []
+    modes: list[str] = []
+    rows: dict[str, list] = {}
     total = len(depths) * len(widths) * repeats
     done = 0
     for depth in depths:
@@ -205,50 +232,86 @@ def measure_cost_curve(
         for s in range(0, depth, 512):
             target.forward(context[s : min(s + 512, depth)], cache)
             mx.eval([c.state for c in cache])
-        replays = needs_replay(cache)
+        if not modes:
+            modes = list(ROLLBACK_MODES) if needs_replay(cache) else ["none"]
         for _ in range(3):  # warm up: the first passes after a prefill run slow
             before = mark(cache)
             target.forward(context[depth:], cache)
             mx.eval([c.state for c in cache])
             take_back(cache, before, 1, 0, replay=None)
+
+        def timed_pass(tokens: list[int], mode: str) -> float:
+            """One verify pass, and taking half of it back the `mode` way; the cache is left as found."""
+            w = len(tokens)
+            before = mark(cache)
+            t0 = time.perf_counter()
+            with recording(mode == "capture" and w > 1) as tape:
+                logits = target.forward(tokens, cache)
+            mx.eval(mx.argmax(logits, axis=-1))  # what the verify loop reads back
+            if mode != "none" and w > 1:
+                captured = bind(tape, cache, w)
+                if mode == "capture" and captured is None:
+                    modes.remove("capture")  # this model's recurrences can't be captured
+                kept = w // 2
+                take_back(cache, before, w, kept, replay=lambda: target.forward(tokens[:kept], cache),
+                          captured=captured)
+                mx.eval([c.state for c in cache])
+            dt = time.perf_counter() - t0
+            take_back(cache, before, w, 0, replay=None)
+            return dt
+
         # Whole sweeps over the widths, median pass per width: a burst of interference
         # from other processes then spoils one pass of several widths, not a width. (Not the
         # best pass: on a busy machine wide passes suffer more, and the verify loop sees that.)
-        passes: list[list[float]] = [[] for _ in widths]
+        passes = {m: [[] for _ in widths] for m in modes}
         draws = {w: rng.integers(0, vocab, size=w).tolist() for w in widths}
         for sweep in range(repeats + 1):  # sweep 0 warms every shape up
             for i, w in enumerate(widths):
-                before = mark(cache)
-                t0 = time.perf_counter()
-                logits = target.forward(draws[w], cache)
-                mx.eval(mx.argmax(logits, axis=-1))  # what the verify loop reads back
-                if replays and w > 1:
-                    kept = w // 2
-                    take_back(cache, before, w, kept, replay=lambda: target.forward(draws[w][:kept], cache))
-                    mx.eval([c.state for c in cache])
-                dt = time.perf_counter() - t0
-                take_back(cache, before, w, 0, replay=None)
+                for mode in list(modes):
+                    dt = timed_pass(draws[w], mode)
+                    if sweep and mode in modes:
+                        passes[mode][i].append(dt)
                 if sweep:
-                    passes[i].append(dt)
                     done += 1
                     if on_progress:
                         on_progress(f"depth {depth} width {w} pass {sweep}/{repeats}", done, total)
-        row = [round(statistics.median(p), 7) for p in passes]
-        # Interference on a shared machine only ever adds time: a narrower pass measured
-        # slower than a wider one was disturbed, so it is capped at the wider one's time.
-        for i in range(len(row) - 2, -1, -1):
-            row[i] = min(row[i], row[i + 1])
-        rows.append(row)
+        for mode in modes:
+            row = [round(statistics.median(p), 7) for p in passes[mode]]
+            # Interference on a shared machine only ever adds time: a narrower pass measured
+            # slower than a wider one was disturbed, so it is capped at the wider one's time.
+            for i in range(len(row) - 2, -1, -1):
+                row[i] = min(row[i], row[i + 1])
+            rows.setdefault(mode, []).append(row)
         del cache
+    rows = {m: r for m, r in rows.items() if m in modes}
+    pick = pick_rollback(rows) if "none" not in rows else ""
     return CostCurve(
         widths=widths,
         depths=depths,
-        seconds=rows,
+        seconds=rows[pick or "none"],
         key=dict(key or {}),
         measured=True,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         measure_s=round(time.perf_counter() - t_start, 3),
+        rollback=pick,
+        rollback_seconds=rows if pick else {},
     )
+
+
+def pick_rollback(seconds_by_mode: dict[str, list[list[float]]]) -> str:
+    """The way of taking back a draft whose verify passes cost least over the whole curve
+    (every width and depth counted alike; on a tie, capture: no replay in the loop)."""
+    return min(seconds_by_mode, key=lambda m: (sum(map(sum, seconds_by_mode[m])), m != "capture"))
+
+
+def state_rollback(target, kv_bits: int | None = None) -> str:
+    """How this target's recurrent layers take back a draft: `target.state_rollback` where
+    set, else the measured curve's pick (`mlx-dspark tune`), else DEFAULT_ROLLBACK."""
+    if getattr(target, "state_rollback", None):
+        return target.state_rollback
+    key = curve_key(target, kv_bits)
+    curve = _memo.get(str(curve_path(key))) or load_cost_curve(key)
+    return (curve.rollback if curve is not None else "") or DEFAULT_ROLLBACK
 
 
 def load_cost_curve(key: dict) -> CostCurve | None:

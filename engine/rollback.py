@@ -11,14 +11,18 @@ that the next round sees exactly what plain decoding would have. Per layer type:
   rotation would keep attending to them; it refuses once the window is full.) This is
   right for any window and draft length: nothing a kept token needs was overwritten.
 - recurrent state (ArraysCache: Gated DeltaNet, Mamba 2, short conv): a state can't be
-  cut. `mark` keeps references to the arrays from before the round (the models assign
-  new arrays, so this copies nothing); `take_back` restores them and replays the kept
-  tokens through the model. Only rounds with a rejection pay for the replay.
+  cut. Either the verify pass captured the state after every position
+  (engine/state_capture.py) and the layer takes the one after the kept tokens, or
+  `mark` kept references to the arrays from before the round (the models assign new
+  arrays, so this copies nothing) and `take_back` restores them and replays the kept
+  tokens through the model. Only rounds with a rejection pay for the replay; capture
+  costs every drafted round a little. cost_curve measures both per model and picks.
 - CacheList (falcon_h1: Mamba 2 and attention in one layer): each part as above.
 - anything else (chunked, batched caches): `supports_drafts` is False; decode plainly.
 
 When any layer needs a replay, every layer goes back to its mark first (the replay
-runs the whole model), so one `take_back` call serves every mix of layer types.
+runs the whole model), so one `take_back` call serves every mix of layer types. With a
+capture, recurrent layers take their captured state and the others are cut as usual.
 """
 
 from __future__ import annotations
@@ -84,25 +88,30 @@ def mark(cache: list) -> list:
     return out
 
 
-def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[], object] | None) -> None:
+def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[], object] | None,
+              captured=None) -> None:
     """Leave the cache holding its marked state plus the first `kept` of the `fed` tokens it
     holds beyond the mark (a verify pass's inputs, or what an earlier take_back kept).
 
-    `replay` feeds those `kept` tokens to the model (with this cache); it is called only
-    when a recurrent layer needs it. The caller evaluates lazily with its next pass.
+    `captured` (a state_capture.Capture of the verify pass that fed them) gives recurrent
+    layers their state after `kept` tokens directly. Without it, `replay` feeds those `kept`
+    tokens to the model (with this cache); it is called only when a recurrent layer needs
+    it. The caller evaluates lazily with its next pass.
     """
     rejected = fed - kept
     if rejected <= 0:
         return
     layers = list(leaves(cache))
-    if any(_kind(c) == "state" for c in layers):
+    if any(_kind(c) == "state" for c in layers) and (captured is None or kept == 0):
         for c, m in zip(layers, before):
             _restore(c, m)
         if kept:
             replay()
         return
     for c, m in zip(layers, before):
-        if _kind(c) == "window" and kept == 0:
+        if _kind(c) == "state":
+            c.cache = captured.slots_after(c, kept)
+        elif _kind(c) == "window" and kept == 0:
             # nothing kept: go back whole (a one-token update rotated the buffer in place, and a
             # full window cut below max_size would break mlx-lm's next in-place update)
             _restore(c, m)

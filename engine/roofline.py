@@ -47,7 +47,7 @@ def roofline(target, curve: CostCurve, bandwidth: float | None = None) -> dict:
             "best_width": width,
             "best_speedup_perfect_drafter": round(speedup, 2),
         }
-    return {
+    report = {
         "bandwidth_gb_s": round(bw / 1e9, 2),
         "model_bytes": nbytes,
         "plain_decode_ceiling_tok_s": round(bw / nbytes, 1),
@@ -55,6 +55,13 @@ def roofline(target, curve: CostCurve, bandwidth: float | None = None) -> dict:
         "curve_measured_at": curve.measured_at,
         "by_depth": depths,
     }
+    if curve.rollback:  # recurrent layers: how a draft is taken back, and what each way cost
+        depth, plain = curve.depths[0], curve.step_seconds(1, curve.depths[0])
+        report["rollback"] = curve.rollback
+        report["rollback_cost"] = {
+            mode: {str(w): round(curve.for_rollback(mode).step_seconds(w, depth) / plain, 3) for w in (4, 16)}
+            for mode in sorted(curve.rollback_seconds)}
+    return report
 
 
 def machine_report(target, kv_bits: int | None = None) -> dict:

@@ -40,6 +40,8 @@ class Target:
     drafter: str | None = None  # a drafter checkpoint chosen by the user (--drafter), else the registry's
     drafter_bits: int | None = None  # quantise drafter heads at load (4: 4-bit)
     heads: dict = field(default_factory=dict, repr=False)  # loaded drafter heads, by mode (engine/heads)
+    # how recurrent layers take back a draft, "capture" or "replay"; None: the cost curve's pick
+    state_rollback: str | None = None
 
     @property
     def vocab_size(self) -> int:

@@ -4,8 +4,9 @@ Each round feeds the last committed token plus the draft to the target in one
 forward pass, accepts the longest lossless prefix of the draft (greedy: equal to the
 target's argmax; sampling: speculative-sampling acceptance), commits one more
 token from the target itself, and takes the rejected tokens back out of the cache
-(engine/rollback.py: attention cut, sliding windows trimmed, recurrent state restored
-and the kept tokens replayed).
+(engine/rollback.py: attention cut, sliding windows trimmed, recurrent state taken from
+the verify pass's per-position capture, or restored and the kept tokens replayed:
+whichever the cost curve measured cheaper for this model, engine/state_capture.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 
 from .drafter import Drafter
 from .errors import CancelledError
-from .rollback import mark, supports_drafts, take_back
+from .rollback import mark, needs_replay, supports_drafts, take_back
+from .state_capture import fits
 from .sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
 from .target import Target
 
@@ -72,6 +74,7 @@ def speculative_rounds(
     rng: np.random.Generator | None = None,
     hard_cap: int | Callable[[], int] | None = None,
     defer_forward: bool = False,
+    rollback: str | None = None,
 ) -> Iterator[Round]:
     """Endless rounds of draft-and-verify; the caller stops iterating when done.
 
@@ -81,6 +84,8 @@ def speculative_rounds(
     after every round it holds the context minus the last committed token, which the
     next round feeds. `defer_forward`: each round first yields its verify forward (a
     `batch_verify.Forward`) for the caller to run, batched with other sequences', then its Round.
+    `rollback` ("capture" or "replay"; default: the cost curve's pick for this target) is how
+    recurrent layers take back a rejected draft.
     """
     from .batch_verify import Forward
 
@@ -90,6 +95,12 @@ def speculative_rounds(
     # A cache type engine/rollback.py doesn't know can't take back a rejected draft:
     # decode it plainly, which is always correct.
     drafting = supports_drafts(cache)
+    if drafting and needs_replay(cache):
+        from .cost_curve import state_rollback
+
+        capture = (rollback or state_rollback(target)) == "capture"
+    else:
+        capture = False
     y = last_token
     while True:
         t0 = time.perf_counter()
@@ -100,7 +111,8 @@ def speculative_rounds(
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]
         before = mark(cache) if draft_tokens else None
-        fwd = Forward(inputs, cache, tuple(drafter.tap_layers))
+        fwd = Forward(inputs, cache, tuple(drafter.tap_layers),
+                      capture=capture and bool(draft_tokens) and fits(cache, len(inputs)))
         if defer_forward:
             yield fwd
         else:
@@ -112,7 +124,8 @@ def speculative_rounds(
             q = draft.q[: len(draft_tokens)] if draft is not None and draft.q is not None else None
             n, nxt = accept_speculative(target_probs(logits, sampling), draft_tokens, q, rng)
         if draft_tokens:
-            take_back(cache, before, len(inputs), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache))
+            take_back(cache, before, len(inputs), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache),
+                      captured=fwd.captured)
         committed = [*draft_tokens[:n], nxt]
         drafter.commit(
             committed, len(draft_tokens), n, hidden=None if hidden is None else hidden[: n + 1]
@@ -120,7 +133,8 @@ def speculative_rounds(
         y = nxt
         keep_only = None
         if draft_tokens:
-            def keep_only(u, before=before, inputs=inputs, held=n + 1):
-                take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache))
+            def keep_only(u, before=before, inputs=inputs, held=n + 1, captured=fwd.captured):
+                take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache),
+                          captured=captured)
         source = (draft.source or drafter.name) if n else ""
         yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source)

@@ -38,6 +38,7 @@ def _installed(family: str) -> bool:
 def family_engine(request, tmp_path_factory):
     path = build_family_model(tmp_path_factory.mktemp(request.param), request.param, seed=5)
     with Engine(str(path)) as e:
+        e.target.state_rollback = "capture"  # recurrent layers: per-position capture (replay: test_state_capture.py)
         yield request.param, e
 
 

@@ -65,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{'depth ' + depth:>14}: plain {d['plain_tok_s']} tok/s ({d['plain_step_ms']} ms/step); "
                   f"verify cost {costs}; perfect drafter {d['best_speedup_perfect_drafter']}x at width "
                   f"{d['best_width']}")
+        if roof.get("rollback"):
+            costs = "; ".join(f"{mode} " + " ".join(f"w{w}={c}" for w, c in by_width.items())
+                              for mode, by_width in roof["rollback_cost"].items())
+            print(f"{'rollback':>14}: {roof['rollback']} (recurrent layers take back a draft by per-position "
+                  f"state capture or a replay; verify cost with half taken back: {costs})")
         print(f"{'curve':>14}: {roof['curve']}")
     if prefill:
         print(f"\ncold prefill, {prefill['chunk']}-token chunks; float32 matmul: numpy's BLAS "

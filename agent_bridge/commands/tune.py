@@ -66,6 +66,14 @@ def run(args: argparse.Namespace) -> int:
         w, s = curve.best_perfect_speedup(depth)
         cells = "".join(f"{curve.relative(x, depth):8.2f}" for x in widths)
         print(f"{depth:<8}{cells}   {s:.2f}x at width {w}  (width 1 = {curve.step_seconds(1, depth) * 1e3:.1f} ms)")
+    if curve.rollback:  # recurrent layers: the curve above is the cheaper way of taking back a draft
+        other = [m for m in curve.rollback_seconds if m != curve.rollback]
+        if other:
+            d = curve.depths[0]
+            dearer = curve.for_rollback(other[0]).step_seconds(16, d) / curve.step_seconds(16, d)
+            print(f"rollback: {curve.rollback} (a width-16 pass with half taken back costs {dearer:.2f}x as much by {other[0]})")
+        else:
+            print(f"rollback: {curve.rollback} (this model's recurrences can't be captured)")
     cap, gain = best_draft_cap(curve, args.acceptance, depth=curve.depths[0])
     print(f"static draft cap for acceptance {args.acceptance:.2f}: {cap} (expected {gain:.2f}x); "
           "--max-draft auto adapts it per round")
