@@ -29,7 +29,7 @@ from starlette.responses import StreamingResponse
 
 from engine import Done, EngineError, PrefillProgress, Tokens
 
-from .chat_request import ChatRequest, check_context, force_call, render
+from .chat_request import ChatRequest, check_context, force_call, render, resolve_media
 from .http_errors import ApiError, from_engine_error, overloaded
 from .metrics import Metrics
 from .thinking_signature import ThinkingSigner
@@ -90,7 +90,10 @@ class Bridge:
         return ids
 
     def _render(self, req: ChatRequest) -> list[int]:
-        ids = render_replayed(self.engine, req.messages, req.tools, req.template_kwargs, self.turns)
+        # images go through the model's processor: no replayed rendering for them
+        images = resolve_media(req, self.engine)
+        ids = None if images else render_replayed(self.engine, req.messages, req.tools, req.template_kwargs,
+                                                  self.turns)
         if ids is None:
             ids = render(self.engine, req)
         elif req.assistant_prefix:
