@@ -223,3 +223,14 @@ def test_openai_data_url_and_local_file_reach_the_model(engine, server, tmp_path
             client.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": url}}]}])
         assert message in err.value.body["message"], url
+
+
+def test_responses_input_image_reaches_the_model(engine, server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    r = client.responses.create(model="m", max_output_tokens=10, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is in the image?"},
+        {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(RED).decode()}]}])
+    assert r.output_text == reference_reply(engine, "What is in the image?", [RED], 10)
+    assert "omitted_content" not in r.model_extra["mlx_dspark"]
