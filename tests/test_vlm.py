@@ -153,6 +153,22 @@ def test_prefix_cache_segments_hit_up_to_the_image(tmp_path):
         e.close()
 
 
+def test_the_disk_tier_keeps_image_prefixes_across_restarts(vlm_dir, tmp_path):
+    """The hash-derived ids are what the disk tier stores: after a restart the same image hits
+    and another one still misses."""
+    from engine import Engine
+
+    kv = tmp_path / "kv"
+    with Engine(str(vlm_dir), prefix_cache_dir=str(kv)) as e:
+        _, ids, images = ask(e, "Describe the picture.", [RED])
+        first = run(e, ids, images, max_tokens=6)
+    with Engine(str(vlm_dir), prefix_cache_dir=str(kv)) as e:
+        again = run(e, ids, images, max_tokens=6)
+        assert again.stats.cached_tokens == len(ids) - 1 and again.token_ids == first.token_ids
+        _, ids_blue, images_blue = ask(e, "Describe the picture.", [BLUE])
+        assert run(e, ids_blue, images_blue, max_tokens=6).stats.cached_tokens <= images.spans[0][0]
+
+
 def test_bad_images_are_request_errors(engine):
     from engine import InvalidRequestError
 
@@ -234,3 +250,23 @@ def test_responses_input_image_reaches_the_model(engine, server):
         {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(RED).decode()}]}])
     assert r.output_text == reference_reply(engine, "What is in the image?", [RED], 10)
     assert "omitted_content" not in r.model_extra["mlx_dspark"]
+
+
+def test_a_vlm_without_its_vision_half_answers_with_placeholders(vlm_dir, monkeypatch):
+    """A VLM family not supported yet (or mlx-vlm not installed): the checkpoint's text model
+    serves, and images become placeholders listed in omitted_content, as for a text model."""
+    import anthropic
+
+    import engine.vision
+    from agent_bridge.server import create_app
+    from engine import Engine
+    from server_harness import RunningServer
+
+    monkeypatch.setattr(engine.vision, "SUPPORTED", ())
+    with Engine(str(vlm_dir)) as e, RunningServer(create_app(e)) as srv:
+        assert not e.reads_images
+        client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        block = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+        r = client.messages.create(model="m", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is in the image?"}, block]}])
+        assert r.model_extra["mlx_dspark"]["omitted_content"] == [{"where": "messages[0].content[1]", "type": "image"}]
