@@ -14,6 +14,7 @@ from the image's hash (`PromptImages.key`): the same image and text hit, another
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import logging
 from dataclasses import dataclass, field
@@ -140,22 +141,26 @@ def open_image(data: bytes, index: int = 0):
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
-def load_vision(target) -> Vision | None:
-    """The target's vision half, or None: a text model, an unsupported family, or no mlx-vlm
-    (then images reach the model as placeholders)."""
-    config = target.config
+def image_support(config: dict) -> str | None:
+    """None for a text model; "yes" when a VLM's images reach it; else why they become placeholders."""
     if "vision_config" not in config:
         return None
     kind = config.get("model_type")
     if kind not in SUPPORTED:
-        log.warning("images: %s models are not supported yet (supported: %s); images become placeholders",
-                    kind, ", ".join(SUPPORTED))
+        return f"placeholders: {kind} is not supported yet (supported: {', '.join(SUPPORTED)})"
+    if importlib.util.find_spec("mlx_vlm") is None:
+        return "placeholders: mlx-vlm is not installed (pip install 'mlx-dspark[vlm]')"
+    return "yes"
+
+
+def load_vision(target) -> Vision | None:
+    """The target's vision half, or None: a text model, an unsupported family, or no mlx-vlm
+    (then images reach the model as placeholders)."""
+    support = image_support(target.config)
+    if support is None:
         return None
-    try:
-        import mlx_vlm  # noqa: F401
-    except ImportError:
-        log.warning("images: this is a vision-language model, but mlx-vlm is not installed "
-                    "(pip install 'mlx-dspark[vlm]'); images become placeholders")
+    if support != "yes":
+        log.warning("images: %s", support)
         return None
     return Vision(target, model_dir(target.path))
 
