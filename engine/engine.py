@@ -490,7 +490,10 @@ class Engine:
         to_prefill = prompt[cached:-1]
         embeddings = None  # images not in the cached prefix: prefill from the image-merged embeddings
         if images is not None and cached < images.end:
+            if drafter is not None and drafter.tap_layers:
+                raise InvalidRequestError(f"mode {mode!r}: drafter heads don't read image prompts yet; use lookup")
             embeddings = self.vision.embeddings(prompt, images)[cached : len(prompt) - 1]
+            mx.eval(embeddings)  # once: the chunks below slice it
         for start in range(0, len(to_prefill), self.prefill_chunk):  # a chunk per step
             yield
             prefill(
