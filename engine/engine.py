@@ -294,7 +294,7 @@ class Engine:
             raise InvalidRequestError("this model reads text only: images can't be given to it")
         with self.tokenizer_lock:
             text = chat_text(self.tokenizer, messages, tools=tools, **kwargs)
-            return self.vision.prepare(text, images)
+        return self.vision.prepare(text, images)  # the processor has a tokenizer (and a lock) of its own
 
     def add_corpus(self, token_ids: list[int], path: str | None = None) -> None:
         """Remember a sequence (a file an agent read, say) for lookup drafting in later requests.

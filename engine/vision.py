@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import io
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class Vision:
         mx.eval(model.parameters())
         self.model = model
         self.processor = load_processor(model_dir, add_detokenizer=False)
+        self._lock = threading.Lock()  # its fast tokenizer fails when two threads use it at once
         self.image_token_id = int(model.config.image_token_index)
         # what the chat template writes for an image: the processor expands it to the image's tokens
         self.image_marker = self.processor.boi_token
@@ -96,8 +98,9 @@ class Vision:
                                       f"for {len(images)} images")
         pictures = [open_image(data, i) for i, data in enumerate(images)]
         try:
-            inputs = self._prepare_inputs(self.processor, images=pictures, prompts=text,
-                                          image_token_index=self.image_token_id)
+            with self._lock:
+                inputs = self._prepare_inputs(self.processor, images=pictures, prompts=text,
+                                              image_token_index=self.image_token_id)
         except Exception as e:  # the processor's own message (sizes, counts)
             raise InvalidRequestError(f"the model's processor rejected the images: {e}") from e
         ids = [int(t) for t in inputs.pop("input_ids")[0].tolist()]

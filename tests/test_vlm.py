@@ -270,3 +270,26 @@ def test_a_vlm_without_its_vision_half_answers_with_placeholders(vlm_dir, monkey
         r = client.messages.create(model="m", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is in the image?"}, block]}])
         assert r.model_extra["mlx_dspark"]["omitted_content"] == [{"where": "messages[0].content[1]", "type": "image"}]
+
+
+def test_concurrent_image_requests_each_get_their_own_reply(engine, server):
+    """Renders run in worker threads (the processor has a lock of its own) and the engine keys
+    each prompt by its own image: four requests at once, two images, each reply its image's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    def send(color: str) -> str:
+        data = base64.b64encode(RED if color == "red" else BLUE).decode()
+        r = client.chat.completions.create(model="m", max_tokens=MAX, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in the image?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
+        return r.choices[0].message.content
+
+    expected = {c: send(c) for c in ("red", "blue")}  # one at a time
+    colors = ["red", "blue", "blue", "red"]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(send, colors))
+    assert expected["red"] != expected["blue"]
+    assert replies == [expected[c] for c in colors]
