@@ -9,6 +9,7 @@ tool messages carry `tool_call_id`. Tools are in OpenAI function form.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ class ChatRequest:
     forced_tool: str | None = None  # tool_choice: None free, "" any tool, else that tool's name
     notes: list[str] = field(default_factory=list)  # said back in the response's `mlx_dspark.notes`
     omitted_content: list[dict] = field(default_factory=list)  # images/documents a text model can't read
+    images: list[bytes] | None = None  # the images shown to a VLM, in prompt order (set by resolve_media)
+    prompt_images: Any = None  # their engine form (engine.PromptImages), set while rendering
     # set while rendering:
     starts_thinking: bool = False  # the template opened a reasoning block in the generation prompt
     forced_prefix: str = ""  # the forced call's opening, appended to the prompt
@@ -66,6 +69,7 @@ class ChatRequest:
             stop=list(self.stop),
             mode=self.mode,
             max_draft=self.max_draft,
+            images=self.prompt_images,
         )
 
     def extra(self, stats: Any, parser_notes: list[str] = ()) -> dict:
@@ -75,8 +79,9 @@ class ChatRequest:
         notes = [*self.notes, *parser_notes]
         if notes:
             out["notes"] = notes
-        if self.omitted_content:
-            out["omitted_content"] = self.omitted_content
+        omitted = [{k: v for k, v in note.items() if k != "_block"} for note in self.omitted_content]
+        if omitted:
+            out["omitted_content"] = omitted
         return out
 
 
@@ -85,13 +90,21 @@ def render(engine: Any, req: ChatRequest) -> list[int]:
 
     Some templates refuse a system message after the first one (Claude Code sends one
     inside `messages`): then those are folded into the leading system message."""
+    resolve_media(req, engine)
+
+    def chat(messages: list[dict]) -> list[int]:
+        if not req.images:
+            return engine.render_chat(messages, req.tools, **req.template_kwargs)
+        ids, req.prompt_images = engine.render_chat_images(messages, req.images, req.tools, **req.template_kwargs)
+        return ids
+
     try:
-        ids = engine.render_chat(req.messages, req.tools, **req.template_kwargs)
+        ids = chat(req.messages)
     except InvalidRequestError:
         merged = fold_system_messages(req.messages)
         if merged == req.messages:
             raise
-        ids = engine.render_chat(merged, req.tools, **req.template_kwargs)
+        ids = chat(merged)
     if req.assistant_prefix:
         ids = ids + engine.encode(req.assistant_prefix)
     return ids
@@ -203,6 +216,7 @@ def get_stops(body: dict, name: str, list_only: bool = False) -> list[str]:
 # (it stays in the history, so a 400 would fail every later turn): it becomes a short
 # placeholder, the same text every time so the cached prefix still matches.
 MEDIA_BLOCKS = ("image", "image_url", "input_image", "document", "input_file", "file", "input_audio")
+IMAGE_BLOCKS = ("image", "image_url", "input_image")
 
 
 def placeholder(block: dict) -> tuple[str, dict]:
@@ -237,8 +251,50 @@ def media_text(block: dict, where: str, omitted: list | None) -> str:
     if text is None:
         text, note = placeholder(block)
         if omitted is not None:
+            if block.get("type") in IMAGE_BLOCKS:  # a VLM may read it: decided once the model is known
+                text = IMAGE_SLOT.format(len(omitted))
+                note["_block"] = block
             omitted.append({"where": where, **note})
     return text
+
+
+# An image's place in a message's text until the model is known (resolve_media): private-use
+# characters around the index of its entry in `omitted_content`.
+IMAGE_SLOT = "\ue000{}\ue001"
+_SLOTS = re.compile("\ue000(\\d+)\ue001")
+
+
+def resolve_media(req: ChatRequest, engine: Any) -> list[bytes]:
+    """Fill the image slots: a model that reads images gets its own image marker there (the
+    image's bytes go to `req.images`, in order, and it leaves `omitted_content`); a text model
+    gets the placeholder. Idempotent."""
+    if req.images is not None:
+        return req.images
+    marker = getattr(engine, "image_marker", None)
+    images: list[bytes] = []
+    shown: set[int] = set()
+
+    def fill(m: re.Match, show: bool = True) -> str:
+        n = int(m.group(1))
+        if n >= len(req.omitted_content) or "_block" not in req.omitted_content[n]:
+            return m.group(0)  # not one of ours
+        note = req.omitted_content[n]
+        if marker is None or not show:
+            return placeholder(note["_block"])[0]
+        from .media import image_bytes
+
+        images.append(image_bytes(note["_block"], note["where"]))
+        shown.add(n)
+        return marker
+
+    for message in req.messages:
+        if isinstance(message.get("content"), str) and "\ue000" in message["content"]:
+            message["content"] = _SLOTS.sub(fill, message["content"])
+    # an image in a reply being continued is never shown (it is text the model writes after)
+    req.assistant_prefix = _SLOTS.sub(lambda m: fill(m, show=False), req.assistant_prefix)
+    req.omitted_content = [note for i, note in enumerate(req.omitted_content) if i not in shown]
+    req.images = images
+    return images
 
 
 def text_of(content: Any, where: str, allowed: tuple = ("text",), omitted: list | None = None) -> str:
@@ -274,5 +330,6 @@ def check_context(prompt_ids: list[int], context_window: int) -> None:
         raise PromptTooLongError(len(prompt_ids), context_window)
 
 
-__all__ = ["ApiError", "ChatRequest", "MEDIA_BLOCKS", "MAX_TOKENS_LIMIT", "check_context", "fold_system_messages", "get",
-           "get_int", "get_number", "get_stops", "media_text", "placeholder", "render", "text_of", "tool_call"]
+__all__ = ["ApiError", "ChatRequest", "IMAGE_BLOCKS", "MEDIA_BLOCKS", "MAX_TOKENS_LIMIT", "check_context", "fold_system_messages", "get",
+           "get_int", "get_number", "get_stops", "media_text", "placeholder", "render", "resolve_media", "text_of",
+           "tool_call"]

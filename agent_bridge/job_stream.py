@@ -29,7 +29,7 @@ from starlette.responses import StreamingResponse
 
 from engine import Done, EngineError, PrefillProgress, Tokens
 
-from .chat_request import ChatRequest, check_context, force_call, render
+from .chat_request import ChatRequest, check_context, force_call, render, resolve_media
 from .http_errors import ApiError, from_engine_error, overloaded
 from .metrics import Metrics
 from .thinking_signature import ThinkingSigner
@@ -90,7 +90,10 @@ class Bridge:
         return ids
 
     def _render(self, req: ChatRequest) -> list[int]:
-        ids = render_replayed(self.engine, req.messages, req.tools, req.template_kwargs, self.turns)
+        # images go through the model's processor: no replayed rendering for them
+        images = resolve_media(req, self.engine)
+        ids = None if images else render_replayed(self.engine, req.messages, req.tools, req.template_kwargs,
+                                                  self.turns)
         if ids is None:
             ids = render(self.engine, req)
         elif req.assistant_prefix:
@@ -187,8 +190,9 @@ def request_key(request: Request | None, gen_req: Any) -> str:
     """The same request sent again has the same key (route, rendered prompt, sampling, limits)."""
     h = hashlib.sha256()
     h.update((request.url.path if request is not None else "").encode())
+    images = gen_req.images.hashes if gen_req.images is not None else None  # the same text with another image differs
     h.update(json.dumps([gen_req.prompt_ids, gen_req.max_tokens, repr(gen_req.sampling), gen_req.stop,
-                         gen_req.mode, gen_req.max_draft]).encode())
+                         gen_req.mode, gen_req.max_draft, images]).encode())
     return h.hexdigest()
 
 

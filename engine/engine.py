@@ -27,7 +27,7 @@ from mlx_lm.generate import generate_step
 from .batch_verify import Forward, run_forwards
 from .draft_control import draft_controller
 from .prefill_chunk import chunk_for
-from .chat import render_chat
+from .chat import chat_text, render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
 from .events import Done, PrefillProgress, Stats, Tokens
 from .kv_segments import KV_BITS, fresh_cache, kv_group_size
@@ -40,6 +40,7 @@ from .sampling import SamplingParams
 from .stops import TextAssembler
 from .target import Target, load_target
 from .verify import Round, prefill, speculative_rounds
+from .vision import PromptImages, Vision, load_vision
 
 DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/draft_control.py)
 MAX_ENGINE_CORPUS_DOCS = 64
@@ -55,6 +56,7 @@ class GenerationRequest:
     mode: str | None = None  # None: the engine's default
     max_draft: int | str | None = None  # a cap, "auto", or None: the engine's default
     corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from (this request only)
+    images: PromptImages | None = None  # a VLM prompt's images (Engine.render_chat_images)
 
 
 class Job:
@@ -155,6 +157,7 @@ class Engine:
         self._corpus_lock = threading.Lock()
         self.job_observers: list[Callable[[Job], None]] = []  # see each job before it queues (telemetry)
         self.target: Target | None = None
+        self.vision: Vision | None = None  # a VLM's vision half (engine/vision.py), else None
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch!r}")
         self.max_batch = max_batch
@@ -271,6 +274,27 @@ class Engine:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
         with self.tokenizer_lock:
             return render_chat(self.tokenizer, messages, tools=tools, encode=self._pieces.encode, **kwargs)
+
+    @property
+    def reads_images(self) -> bool:
+        return self.vision is not None
+
+    @property
+    def image_marker(self) -> str | None:
+        """What a chat message's text holds where an image goes (the model's own image token)."""
+        return self.vision.image_marker if self.vision is not None else None
+
+    def render_chat_images(self, messages: list[dict], images: list[bytes], tools: list[dict] | None = None,
+                           **kwargs: Any) -> tuple[list[int], PromptImages | None]:
+        """Like render_chat, for messages whose texts hold one `image_marker` per image (in order):
+        the prompt ids and its images, for GenerationRequest.images."""
+        if not images:
+            return self.render_chat(messages, tools, **kwargs), None
+        if self.vision is None:
+            raise InvalidRequestError("this model reads text only: images can't be given to it")
+        with self.tokenizer_lock:
+            text = chat_text(self.tokenizer, messages, tools=tools, **kwargs)
+        return self.vision.prepare(text, images)  # the processor has a tokenizer (and a lock) of its own
 
     def add_corpus(self, token_ids: list[int], path: str | None = None) -> None:
         """Remember a sequence (a file an agent read, say) for lookup drafting in later requests.
@@ -418,6 +442,7 @@ class Engine:
     def _serve(self, loaded: Future, dtype: str | None) -> None:
         try:
             self.target = load_target(self.model_path, dtype=dtype)
+            self.vision = load_vision(self.target)
         except BaseException as e:
             loaded.set_exception(e)
             return
@@ -446,7 +471,10 @@ class Engine:
         if job.cancelled:
             raise CancelledError("cancelled before it started")
 
-        cache, cached = self._acquire_cache(prompt)
+        # the prefix cache's view of the prompt: an image's tokens stand for its hash
+        images = req.images
+        key = images.key(prompt, target.vocab_size) if images is not None else prompt
+        cache, cached = self._acquire_cache(key)
         stats.cached_tokens = cached
         job.phase, job.prefilled, job.prompt_tokens = "prefill", cached, len(prompt)
         job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
@@ -460,6 +488,12 @@ class Engine:
                 stats.note = "this model's cache can't be rolled back: decoding without drafts"
 
         to_prefill = prompt[cached:-1]
+        embeddings = None  # images not in the cached prefix: prefill from the image-merged embeddings
+        if images is not None and cached < images.end:
+            if drafter is not None and drafter.tap_layers:
+                raise InvalidRequestError(f"mode {mode!r}: drafter heads don't read image prompts yet; use lookup")
+            embeddings = self.vision.embeddings(prompt, images)[cached : len(prompt) - 1]
+            mx.eval(embeddings)  # once: the chunks below slice it
         for start in range(0, len(to_prefill), self.prefill_chunk):  # a chunk per step
             yield
             prefill(
@@ -470,12 +504,13 @@ class Engine:
                 cancelled=lambda: job.cancelled,
                 on_hidden=getattr(drafter, "observe_prefill", None),
                 tap_layers=drafter.tap_layers if drafter is not None else (),
+                embeddings=None if embeddings is None else embeddings[start : start + self.prefill_chunk],
             )
             job.prefilled = cached + min(start + self.prefill_chunk, len(to_prefill))
             job.emit(PrefillProgress(job.prefilled, len(prompt)))
         stats.prefilled_tokens = len(to_prefill) + 1
         if self.prefix_cache is not None:  # models with recurrent/window layers resume only at checkpoints
-            self.prefix_cache.checkpoint(prompt[:-1], cache)
+            self.prefix_cache.checkpoint(key[:-1], cache)
         stats.prefill_s = time.perf_counter() - t0
 
         controller = None
@@ -501,7 +536,7 @@ class Engine:
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids
         out: list[int] = []
-        committed = list(prompt)  # the context the cache holds (a round's tokens past a stop are taken back)
+        committed = list(key)  # the context the cache holds (a round's tokens past a stop are taken back)
         guard = LoopGuard(self.loop_guard) if self.loop_guard else None
         finish = "length" if max_tokens <= 0 else None
         t_decode = time.perf_counter()
@@ -569,7 +604,12 @@ class Engine:
 
     def _check_request(self, req: GenerationRequest) -> None:
         """What makes a request fail, checked before it queues (so an HTTP client gets an HTTP error)."""
-        self._check_prompt(req)
+        prompt = self._check_prompt(req)
+        if req.images is not None:
+            if self.vision is None:
+                raise InvalidRequestError("this model reads text only: images can't be given to it")
+            if req.images.end >= len(prompt):
+                raise InvalidRequestError("the prompt must not end with an image's tokens")
         req.sampling.validate(self.target.vocab_size)
         if req.max_tokens < 0:
             raise InvalidRequestError("max_tokens must be >= 0")

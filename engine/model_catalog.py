@@ -42,6 +42,7 @@ class ModelInfo:
     drafters_to_download: list[str] = field(default_factory=list)  # registered modes not on this machine yet
     tool_call_format: str | None = None
     reasoning_format: str | None = None
+    images: str | None = None  # a VLM: "yes", or why its images become placeholders (engine/vision.py)
     loads: bool = True
     problem: str | None = None  # why it can't run (unsupported type, weights incomplete)
 
@@ -321,6 +322,9 @@ def describe(path: Path, name: str, source: str) -> ModelInfo:
     info.drafters = {**registered_heads(name), **heads_beside(path, config)}
     info.drafters_to_download = sorted(m for m, spec in info.drafters.items() if not head_on_disk(spec))
     info.tool_call_format, info.reasoning_format = chat_formats(path)
+    from .vision import image_support
+
+    info.images = image_support(config)
     return info
 
 

@@ -64,9 +64,12 @@ class Target:
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
 
-    def forward(self, tokens: list[int] | mx.array, cache: list) -> mx.array:
-        """Logits for each of `tokens` appended to the cache: shape (len(tokens), vocab)."""
+    def forward(self, tokens: list[int] | mx.array, cache: list, embeddings: mx.array | None = None) -> mx.array:
+        """Logits for each of `tokens` appended to the cache: shape (len(tokens), vocab).
+        `embeddings` (len(tokens), hidden) replace the tokens' own (a VLM's image-merged input)."""
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
+        if embeddings is not None:
+            return self.model(x[None], cache=cache, input_embeddings=embeddings[None])[0]
         return self.model(x[None], cache=cache)[0]
 
     # -- hidden-state taps (drafter heads read the residual stream) ---------------

@@ -47,14 +47,18 @@ def prefill(
     cancelled: Callable[[], bool] | None = None,
     on_hidden: Callable | None = None,
     tap_layers: tuple[int, ...] = (),
+    embeddings: mx.array | None = None,
 ) -> None:
-    """Feed `tokens` into the cache in chunks, reporting progress, cancellable between chunks."""
+    """Feed `tokens` into the cache in chunks, reporting progress, cancellable between chunks.
+    `embeddings` (one row per token) are fed instead of the tokens' own: a VLM prompt's images."""
     total = len(tokens)
     for start in range(0, total, chunk_size):
         if cancelled and cancelled():
             raise CancelledError("cancelled during prefill")
         chunk = tokens[start : start + chunk_size]
-        if tap_layers:
+        if embeddings is not None:
+            target.forward(chunk, cache, embeddings[start : start + chunk_size])
+        elif tap_layers:
             _, hidden = target.forward_tapped(chunk, cache, tap_layers)
             on_hidden(hidden)
         else:

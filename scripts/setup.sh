@@ -17,6 +17,10 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
+# mlx-vlm for the image tests (tests/test_vlm.py), without its dependencies: the `vlm` extra pulls
+# in pyarrow, pandas, opencv, datasets, mlx-audio...; importing its models, processors and generate
+# needs only transformers, pillow, jinja2, tqdm (already here) and requests (in the test extra).
+.venv/bin/python -m pip install -q --no-deps "mlx-vlm>=0.7.10,<0.8"
 # The real Claude Code CLI for the integration tests (tests skip without npm).
 if command -v npm >/dev/null && [ ! -x .node/node_modules/.bin/claude ]; then
   npm install --prefix .node --silent --no-audit --no-fund @anthropic-ai/claude-code >/dev/null

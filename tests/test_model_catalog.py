@@ -143,7 +143,7 @@ def test_models_command_table_and_json(env):
     assert r.returncode == 0, r.stderr
     header = r.stdout.splitlines()[0].split()
     assert header == ["model", "source", "arch", "params", "quant", "size", "context", "rollback", "drafters",
-                      "tools", "reasoning"]
+                      "tools", "reasoning", "images"]
     assert "tinyorg/tiny-llama" in r.stdout and "(!) half-downloaded: weights incomplete" in r.stdout
     assert "dflash*, dspark*" in r.stdout  # the hub model's registered heads, not downloaded
 

@@ -1,7 +1,8 @@
 """`mlx-dspark pull` against a local server speaking the hub's file API (tests/fake_hub.py,
 through HF_ENDPOINT) for one tiny model and a drafter head: the real huggingface_hub
-client downloads, an interrupted download is resumed with a Range request (within one run,
-and after the process was killed), the result is checked, and offline fails at once."""
+client downloads (weight files through our resumable fetch), an interrupted download is resumed
+with a Range request (within one run, and after the process was killed), the result is checked,
+and offline fails at once."""
 
 from __future__ import annotations
 
@@ -84,12 +85,16 @@ def test_pull_with_drafter_resumes_a_dropped_connection(tmp_path, repos):
     assert HEAD not in names  # a head is listed with its model, not as one
 
 
-def test_pull_after_the_process_was_killed_keeps_finished_files(tmp_path, repos):
-    """huggingface_hub 2.x downloads each file to a temporary name of its own and resumes
-    within a run only: across runs the finished files are kept and the cut one starts over."""
+def test_pull_after_the_process_was_killed_resumes_the_cut_file(tmp_path, repos):
+    """huggingface_hub 2.x resumes within a run only (each download has a temporary name of its
+    own): weight files go through engine/model_pull.fetch_resumable, whose `.part` outlives a
+    killed process. The next run keeps the finished file and continues the cut one with a Range."""
     first = (repos[REPO] / SHARD).stat().st_size
-    second = f"{REPO}/model-00002-of-00002.safetensors"
+    second_name = "model-00002-of-00002.safetensors"
+    second = f"{REPO}/{second_name}"
+    size = (repos[REPO] / second_name).stat().st_size
     env = _env("", tmp_path / "cache")
+    blobs = tmp_path / "cache" / "models--mlx-community--Qwen3-4B-4bit" / "blobs"
     with FakeHub(repos, cut_after={second: 2**20}, cut="stall") as hub:
         env["HF_ENDPOINT"] = hub.url
         proc = subprocess.Popen([sys.executable, "-m", "agent_bridge", "pull", REPO], env=env,
@@ -97,15 +102,39 @@ def test_pull_after_the_process_was_killed_keeps_finished_files(tmp_path, repos)
         deadline = time.monotonic() + 120
         while (hub.sent.get(second, 0) < 2**20 or hub.sent.get(WEIGHTS, 0) < first) and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1.0)  # the finished shard is moved into place
+        time.sleep(1.0)  # the client writes what it received
         proc.kill()
         proc.wait(30)
         hub.release.set()
+        parts = list(blobs.glob("*.part"))
+        assert len(parts) == 1 and parts[0].stat().st_size == 2**20  # the cut file's bytes survived the kill
         r = _pull([REPO], env)
     assert r.returncode == 0, r.stderr
     assert len(_weights_gets(hub)) == 1 and hub.sent[WEIGHTS] == first  # the finished shard is not fetched again
+    gets = [rng for m, p, rng in hub.log if m == "GET" and p.endswith(f"/resolve/{hub.commits[REPO]}/{second_name}")]
+    assert gets == [None, f"bytes={2**20}-"]  # the cut one continued where the killed process stopped
+    assert hub.sent[second] == size  # every byte sent once
     snap = tmp_path / "cache" / "models--mlx-community--Qwen3-4B-4bit" / "snapshots" / hub.commits[REPO]
-    assert (snap / "model-00002-of-00002.safetensors").stat().st_size == (repos[REPO] / "model-00002-of-00002.safetensors").stat().st_size
+    assert (snap / second_name).read_bytes() == (repos[REPO] / second_name).read_bytes()
+    assert not list(blobs.glob("*.part"))
+
+
+def test_a_corrupt_part_is_caught_by_its_sha256(tmp_path, repos):
+    """A `.part` left with the right size but wrong bytes (a disk error, another tool) fails the
+    SHA-256 check against the hub's ETag: refused, removed, and the next run fetches it whole."""
+    import hashlib
+
+    data = (repos[REPO] / SHARD).read_bytes()
+    blobs = tmp_path / "cache" / "models--mlx-community--Qwen3-4B-4bit" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / (hashlib.sha256(data).hexdigest() + ".part")).write_bytes(b"x" * len(data))
+    with FakeHub({REPO: repos[REPO]}) as hub:
+        env = _env(hub.url, tmp_path / "cache")
+        r = _pull([REPO], env)
+        assert r.returncode == 2 and "don't match the hub's SHA-256" in r.stderr, r.stderr
+        assert not list(blobs.glob("*.part"))
+        r = _pull([REPO], env)
+    assert r.returncode == 0, r.stderr
 
 
 def test_pull_json_reports_progress(tmp_path, repos):
@@ -115,11 +144,15 @@ def test_pull_json_reports_progress(tmp_path, repos):
     assert r.returncode == 0, r.stderr
     events = [json.loads(line) for line in r.stdout.splitlines()]
     files = [e for e in events if e.get("kind") == "files"]
-    received = [e for e in events if e.get("kind") == "bytes"]
-    total = sum(p.stat().st_size for p in repos[REPO].iterdir() if p.suffix in (".json", ".safetensors"))
+    received = [e for e in events if e.get("kind") == "bytes"]  # huggingface_hub's count: the other files
+    weights = [e for e in events if e.get("kind") == "weights"]  # the weight files, fetched resumably first
+    total = sum(p.stat().st_size for p in repos[REPO].iterdir() if p.suffix == ".json")
+    total_weights = sum(p.stat().st_size for p in repos[REPO].iterdir() if p.suffix == ".safetensors")
     assert [e["done"] for e in files] == list(range(1, len(files) + 1)) and files[-1]["total"] == len(files)
     assert received[-1]["done"] == received[-1]["total"] == total
-    assert all(a["done"] <= b["done"] for a, b in zip(received, received[1:]))
+    assert weights[-1]["done"] == weights[-1]["total"] == total_weights and len(weights) > 4
+    for events_of_a_kind in (received, weights):
+        assert all(a["done"] <= b["done"] for a, b in zip(events_of_a_kind, events_of_a_kind[1:]))
     assert events[-1]["ok"] and events[-1]["path"].endswith(hub.commits[REPO])
 
 

@@ -33,13 +33,14 @@ def _params(n: int | None) -> str:
 
 
 def format_table(models: list[dict]) -> str:
-    rows = [("model", "source", "arch", "params", "quant", "size", "context", "rollback", "drafters", "tools", "reasoning")]
+    rows = [("model", "source", "arch", "params", "quant", "size", "context", "rollback", "drafters", "tools", "reasoning", "images")]
     for m in models:
         rows.append((m["name"] + ("" if m["loads"] else " (!)"), m["source"], m["model_type"], _params(m["parameters"]),
                      m["quantization"] or (m["dtype"] or "float"), _size(m["size_bytes"]),
                      str(m["context_length"] or "?"), m["cache_rollback"],
                      ", ".join(d + ("*" if d in m["drafters_to_download"] else "") for d in sorted(m["drafters"])) or "-",
-                     m["tool_call_format"] or "-", m["reasoning_format"] or "-"))
+                     m["tool_call_format"] or "-", m["reasoning_format"] or "-",
+                     "-" if m["images"] is None else m["images"].split(":")[0]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for m in models:

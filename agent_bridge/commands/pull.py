@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter", nargs="?", const=True, default=False, metavar="HEAD_ID",
                    help="also fetch the drafter head registered for this model (or the head HEAD_ID)")
     p.add_argument("--json", action="store_true",
-                   help="JSON lines: progress events ({repo, kind: files|bytes, done, total}), then the result")
+                   help="JSON lines: progress events ({repo, kind: files|bytes|weights, done, total}), then the result")
     p.set_defaults(run=run)
 
 

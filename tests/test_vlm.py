@@ -1,0 +1,295 @@
+"""Vision-language targets (issue 17 item 4): a tiny random Gemma 3 VLM built from mlx-vlm's
+own classes (tests/tiny_vlm.py; real models, random weights, nothing downloaded).
+
+- Lossless: the engine's greedy output for a prompt with an image (plain decoding, and lookup
+  drafting) equals mlx-vlm's own generate_step on the same ids and pixels, token for token.
+- Prefix cache: the same image and text hit; another image misses from its first token on.
+- Server: image blocks through the real anthropic and openai clients (base64, data: URL, local
+  file) reach the model; a remote URL is a 400 in the API's own shape.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+
+pytest.importorskip("mlx_vlm")  # installed by scripts/setup.sh (--no-deps)
+
+from tiny_vlm import build_tiny_gemma3_vlm, tiny_image  # noqa: E402
+
+MAX = 24
+
+
+def png(color) -> bytes:
+    buf = io.BytesIO()
+    tiny_image(color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+RED, BLUE = png((200, 30, 30)), png((20, 40, 220))
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_gemma3_vlm(tmp_path_factory.mktemp("tiny-gemma3-vlm"))
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir):
+    from engine import Engine
+
+    e = Engine(str(vlm_dir), prefill_chunk=16)  # chunks that cut through the image's tokens
+    yield e
+    e.close()
+
+
+def ask(engine, text: str, images: list[bytes], history: list[dict] = ()) -> tuple[list[dict], list[int], object]:
+    marker = engine.image_marker
+    messages = [*history, {"role": "user", "content": text + "\n" + "\n".join([marker] * len(images))}]
+    ids, prompt_images = engine.render_chat_images(messages, images)
+    return messages, ids, prompt_images
+
+
+def run(engine, ids, images, mode="lookup", max_tokens=MAX):
+    from engine import GenerationRequest
+
+    return engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, mode=mode, images=images)).result()
+
+
+def mlx_vlm_reference(vlm_dir, engine, messages, images: list[bytes], max_tokens=MAX) -> tuple[list[int], list[int]]:
+    """mlx-vlm on its own: its loader, its processor (prepare_inputs), its generate_step."""
+    from mlx_vlm import load
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.utils import prepare_inputs
+    from PIL import Image
+
+    from engine.chat import chat_text
+
+    model, processor = load(str(vlm_dir))
+    text = chat_text(engine.tokenizer, messages)
+    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    inputs = prepare_inputs(processor, images=pictures, prompts=text,
+                            image_token_index=model.config.image_token_index)
+    out = []
+    for tok, _ in generate_step(inputs["input_ids"], model, inputs["pixel_values"], inputs["attention_mask"],
+                                max_tokens=max_tokens, temperature=0.0):
+        if int(tok) in engine.target.eos_token_ids:
+            break
+        out.append(int(tok))
+    return inputs["input_ids"][0].tolist(), out
+
+
+def test_the_engine_reads_images(engine):
+    assert engine.reads_images and engine.image_marker == "<start_of_image>"
+
+
+def test_greedy_output_equals_mlx_vlm_generate(engine, vlm_dir):
+    messages, ids, images = ask(engine, "What is in the image?", [RED])
+    ref_ids, ref = mlx_vlm_reference(vlm_dir, engine, messages, [RED])
+    assert ids == ref_ids and len(images.spans) == 1
+    engine.drop_cache(disk=True)
+    plain = run(engine, ids, images, mode="baseline")
+    engine.drop_cache(disk=True)
+    lookup = run(engine, ids, images, mode="lookup")
+    assert plain.token_ids == ref and lookup.token_ids == ref and len(ref) >= 8
+    assert lookup.stats.drafted_tokens > 0  # lookup drafted (and verified) on the text after the image
+
+    # the image matters: another one changes the reply, and mlx-vlm agrees on it too
+    messages, ids, images = ask(engine, "What is in the image?", [BLUE])
+    _, ref_blue = mlx_vlm_reference(vlm_dir, engine, messages, [BLUE])
+    engine.drop_cache(disk=True)
+    assert run(engine, ids, images).token_ids == ref_blue != ref
+
+
+def test_two_images_in_two_turns_equal_mlx_vlm(engine, vlm_dir):
+    history = [{"role": "user", "content": "First picture:\n" + engine.image_marker},
+               {"role": "assistant", "content": "A square."}]
+    messages = [*history, {"role": "user", "content": "And this one?\n" + engine.image_marker}]
+    _, ref = mlx_vlm_reference(vlm_dir, engine, messages, [RED, BLUE])
+    ids, images = engine.render_chat_images(messages, [RED, BLUE])
+    assert len(images.spans) == 2
+    engine.drop_cache(disk=True)
+    assert run(engine, ids, images).token_ids == ref
+
+
+def test_prefix_cache_keys_the_image_by_its_hash(engine):
+    engine.drop_cache(disk=True)
+    _, ids, images = ask(engine, "Describe the picture.", [RED])
+    first = run(engine, ids, images)
+    assert first.stats.cached_tokens == 0
+    again = run(engine, ids, images)  # same image, same text: the whole prompt is cached
+    assert again.stats.cached_tokens == len(ids) - 1 and again.token_ids == first.token_ids
+
+    _, ids_blue, images_blue = ask(engine, "Describe the picture.", [BLUE])
+    assert ids_blue == ids  # the same token ids: only the hash tells the images apart
+    other = run(engine, ids_blue, images_blue)
+    start = images.spans[0][0]
+    assert other.stats.cached_tokens <= start  # never past the first image token
+    engine.drop_cache(disk=True)
+    assert run(engine, ids_blue, images_blue).token_ids == other.token_ids  # and it is BLUE's own reply
+
+
+def test_prefix_cache_segments_hit_up_to_the_image(tmp_path):
+    """All-global layers (a radix tree of per-token segments): another image reuses exactly the
+    text before it; the next turn of the same conversation reuses the whole earlier turn."""
+    from engine import Engine
+
+    e = Engine(str(build_tiny_gemma3_vlm(tmp_path / "m", sliding_window_pattern=1)), prefill_chunk=16)
+    try:
+        assert e.prefix_cache.kind == "segments"
+        _, ids, images = ask(e, "Describe the picture.", [RED])
+        run(e, ids, images, max_tokens=4)
+        _, ids_blue, images_blue = ask(e, "Describe the picture.", [BLUE])
+        assert run(e, ids_blue, images_blue, max_tokens=4).stats.cached_tokens == images.spans[0][0]
+        messages, ids, images = ask(e, "Describe the picture.", [RED])
+        done = run(e, ids, images, max_tokens=4)
+        follow = [*messages, {"role": "assistant", "content": done.text}]
+        ids2, images2 = e.render_chat_images(follow + [{"role": "user", "content": "More detail?"}], [RED])
+        assert ids2[: images.end] == ids[: images.end]
+        assert run(e, ids2, images2, max_tokens=4).stats.cached_tokens >= images.end
+    finally:
+        e.close()
+
+
+def test_the_disk_tier_keeps_image_prefixes_across_restarts(vlm_dir, tmp_path):
+    """The hash-derived ids are what the disk tier stores: after a restart the same image hits
+    and another one still misses."""
+    from engine import Engine
+
+    kv = tmp_path / "kv"
+    with Engine(str(vlm_dir), prefix_cache_dir=str(kv)) as e:
+        _, ids, images = ask(e, "Describe the picture.", [RED])
+        first = run(e, ids, images, max_tokens=6)
+    with Engine(str(vlm_dir), prefix_cache_dir=str(kv)) as e:
+        again = run(e, ids, images, max_tokens=6)
+        assert again.stats.cached_tokens == len(ids) - 1 and again.token_ids == first.token_ids
+        _, ids_blue, images_blue = ask(e, "Describe the picture.", [BLUE])
+        assert run(e, ids_blue, images_blue, max_tokens=6).stats.cached_tokens <= images.spans[0][0]
+
+
+def test_bad_images_are_request_errors(engine):
+    from engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="not an image"):
+        ask(engine, "Look", [b"not a png"])
+    with pytest.raises(InvalidRequestError, match="image markers"):
+        engine.render_chat_images([{"role": "user", "content": "no marker"}], [RED])
+
+
+# -- through the server, with the real clients ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(engine):
+    from agent_bridge.server import create_app
+    from server_harness import RunningServer
+
+    with RunningServer(create_app(engine)) as srv:
+        yield srv
+
+
+def reference_reply(engine, text: str, images: list[bytes], max_tokens: int) -> str:
+    _, ids, prompt_images = ask(engine, text, images)
+    return run(engine, ids, prompt_images, max_tokens=max_tokens).text
+
+
+def test_anthropic_image_reaches_the_model(engine, server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(RED).decode()}}
+    r = client.messages.create(model="m", max_tokens=12, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is in the image?"}, block]}])
+    assert r.content[0].text == reference_reply(engine, "What is in the image?", [RED], 12)
+    assert "omitted_content" not in r.model_extra["mlx_dspark"]
+    n = client.messages.count_tokens(model="m", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is in the image?"}, block]}]).input_tokens
+    assert n == len(ask(engine, "What is in the image?", [RED])[1])
+    again = client.messages.create(model="m", max_tokens=12, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is in the image?"}, block]}])
+    assert again.usage.cache_read_input_tokens > 0 and again.content[0].text == r.content[0].text
+
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
+    assert err.value.body["type"] == "error" and "not fetched" in err.value.body["error"]["message"]
+
+
+def test_openai_data_url_and_local_file_reach_the_model(engine, server, tmp_path):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "blue.png"
+    path.write_bytes(BLUE)
+    expected = reference_reply(engine, "What is in the image?", [BLUE], 10)
+    for url in ["data:image/png;base64," + base64.b64encode(BLUE).decode(), path.as_uri(), str(path)]:
+        r = client.chat.completions.create(model="m", max_tokens=10, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in the image?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        assert r.choices[0].message.content == expected, url
+    stream = client.chat.completions.create(model="m", max_tokens=10, stream=True, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is in the image?"},
+                                     {"type": "image_url", "image_url": {"url": str(path)}}]}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+    for url, message in [("http://example.com/x.png", "not fetched"), (str(tmp_path / "missing.png"), "no such file"),
+                         ("data:image/png;base64,@@@", "base64")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}]}])
+        assert message in err.value.body["message"], url
+
+
+def test_responses_input_image_reaches_the_model(engine, server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    r = client.responses.create(model="m", max_output_tokens=10, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is in the image?"},
+        {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(RED).decode()}]}])
+    assert r.output_text == reference_reply(engine, "What is in the image?", [RED], 10)
+    assert "omitted_content" not in r.model_extra["mlx_dspark"]
+
+
+def test_a_vlm_without_its_vision_half_answers_with_placeholders(vlm_dir, monkeypatch):
+    """A VLM family not supported yet (or mlx-vlm not installed): the checkpoint's text model
+    serves, and images become placeholders listed in omitted_content, as for a text model."""
+    import anthropic
+
+    import engine.vision
+    from agent_bridge.server import create_app
+    from engine import Engine
+    from server_harness import RunningServer
+
+    monkeypatch.setattr(engine.vision, "SUPPORTED", ())
+    with Engine(str(vlm_dir)) as e, RunningServer(create_app(e)) as srv:
+        assert not e.reads_images
+        client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        block = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+        r = client.messages.create(model="m", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is in the image?"}, block]}])
+        assert r.model_extra["mlx_dspark"]["omitted_content"] == [{"where": "messages[0].content[1]", "type": "image"}]
+
+
+def test_concurrent_image_requests_each_get_their_own_reply(engine, server):
+    """Renders run in worker threads (the processor has a lock of its own) and the engine keys
+    each prompt by its own image: four requests at once, two images, each reply its image's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    def send(color: str) -> str:
+        data = base64.b64encode(RED if color == "red" else BLUE).decode()
+        r = client.chat.completions.create(model="m", max_tokens=MAX, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in the image?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
+        return r.choices[0].message.content
+
+    expected = {c: send(c) for c in ("red", "blue")}  # one at a time
+    colors = ["red", "blue", "blue", "red"]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(send, colors))
+    assert expected["red"] != expected["blue"]
+    assert replies == [expected[c] for c in colors]
