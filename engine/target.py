@@ -246,9 +246,11 @@ def load_target(path_or_id: str | Path, dtype: str | None = None) -> Target:
     mx.eval(model.parameters())
     actual = str(want or _weights_dtype(model)).replace("mlx.core.", "")
     target = Target(model=model, tokenizer=tokenizer, path=path, config=dict(config), dtype=actual)
+    from . import gated_delta_chunked
     from .attention_tune import install_for
 
     install_for(target)  # long prefill chunks on CPU: blockwise attention (engine/cpu_attention.py)
+    gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)
     return target
 
 
