@@ -103,12 +103,16 @@ def _unit_lower_inverse(L, C: int):
 
 
 def _routed(original):
+    from .state_capture import recording_open
+
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
-        if mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS:
+        # a verify pass whose states are being captured goes one position at a time
+        if mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS and not recording_open():
             return chunked_gated_delta(q, k, v, g, beta, state)
         return original(q, k, v, g, beta, state, mask)
 
     gated_delta_ops.__wrapped__ = original
+    gated_delta_ops.chunked_router = True
     return gated_delta_ops
 
 
@@ -116,8 +120,7 @@ def install() -> None:
     """Route mlx-lm's step-loop Gated DeltaNet through the chunked form (idempotent).
 
     `gated_delta_update` looks `gated_delta_ops` up in its module at each call, so every
-    family that uses it (and anything wrapping it later, such as state capture) goes
-    through here. MLX_DSPARK_CHUNKED_DELTA=0 turns it off.
+    family that uses it goes through here; state capture's wrapper sits beneath. MLX_DSPARK_CHUNKED_DELTA=0 turns it off.
     """
     if os.environ.get("MLX_DSPARK_CHUNKED_DELTA", "1") == "0":
         return
@@ -125,6 +128,5 @@ def install() -> None:
         from mlx_lm.models import gated_delta
     except ImportError:  # an mlx-lm without hybrid models
         return
-    if getattr(gated_delta.gated_delta_ops, "__name__", "") == "gated_delta_ops" and not hasattr(
-            gated_delta.gated_delta_ops, "__wrapped__"):
+    if not getattr(gated_delta.gated_delta_ops, "chunked_router", False):
         gated_delta.gated_delta_ops = _routed(gated_delta.gated_delta_ops)

@@ -60,6 +60,11 @@ def _tape() -> Tape | None:
     return getattr(_local, "tape", None)
 
 
+def recording_open() -> bool:
+    """Is a verify pass on this thread being recorded?"""
+    return _tape() is not None
+
+
 @contextlib.contextmanager
 def recording(on: bool = True):
     """Record the recurrences of the forward run inside (a Tape), or do nothing (None)."""
@@ -144,6 +149,7 @@ def _stepwise_gated_delta(run):
         return mx.concatenate(ys, axis=1), state
 
     stepwise.__wrapped__ = run
+    stepwise.captures_states = True
     return stepwise
 
 
@@ -196,7 +202,7 @@ def _taped_conv1d(call):
 
 def install() -> None:
     """Route mlx-lm's recurrences and Conv1d through here (idempotent)."""
-    if hasattr(gated_delta.gated_delta_ops, "__wrapped__"):
+    if getattr(gated_delta.gated_delta_ops, "captures_states", False):
         return
     gated_delta.gated_delta_ops = _stepwise_gated_delta(gated_delta.gated_delta_ops)
     gated_delta.gated_delta_kernel = _stepwise_gated_delta(gated_delta.gated_delta_kernel)
