@@ -120,6 +120,11 @@ def run_concurrency(engine, names: list[str], levels: list[int], trials: int = 3
     try:
         with without_prefix_cache(engine):
             for name in names:
+                # warm up (first calls compile kernels, fill allocators): alone and two together
+                warm, budget, _ = distinct_prompts(engine, name, 2)
+                progress(f"{name}: warming up")
+                for b in (1, 2):
+                    run_together(engine, warm, min(max_tokens or budget, 16), b, sampling, mode, max_draft)
                 for c in levels:
                     rows.append(bench_level(engine, name, c, trials, sampling, mode, max_draft, max_tokens, progress))
     finally:

@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-tune", action="store_true",
                    help="don't measure the verify cost curve first when it isn't cached")
     p.add_argument("--json", action="store_true", help="print every figure as one JSON object")
+    p.add_argument("--json-file", default=None, metavar="PATH", help="also write that JSON object to PATH")
     p.set_defaults(run=run)
 
 
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
                                    progress=_progress)
     finally:
         _end_progress()
+    _write_json(args, report)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -160,6 +162,13 @@ def run(args: argparse.Namespace) -> int:
           f"max draft {args.max_draft}, {args.trials} trials, medians")
     print(format_bench_table(report))
     return 0
+
+
+def _write_json(args: argparse.Namespace, report: dict) -> None:
+    if args.json_file:
+        path = Path(args.json_file).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _tune(engine) -> None:
@@ -209,6 +218,7 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
                       "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         _end_progress()
+    _write_json(args, report)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
