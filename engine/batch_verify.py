@@ -37,22 +37,20 @@ class Forward:
             self.result = (target.forward(self.tokens, self.cache), None)
 
 
-# Wider forwards (long drafts: refactors, copies) already keep the machine busy, and each
-# batched round copies the KV in and out: measured on CPU, batching them lost (0.6x with 4
-# refactor streams) while short drafts gained 2-2.7x. They run alone, between the batches.
-MAX_BATCHED_WIDTH = 8
+def batchable(f: Forward, max_width: int) -> bool:
+    return len(f.tokens) <= max_width and all(type(c) is KVCache and c.keys is not None for c in f.cache)
 
 
-def batchable(f: Forward) -> bool:
-    return len(f.tokens) <= MAX_BATCHED_WIDTH and all(type(c) is KVCache and c.keys is not None for c in f.cache)
-
-
-def run_forwards(target: Target, forwards: list[Forward]) -> int:
+def run_forwards(target: Target, forwards: list[Forward], max_width: int) -> int:
     """Run every forward: those that can share a batch (same taps) together, the rest alone.
-    Returns how many ran in a batch."""
+    Forwards wider than `max_width` run alone too: long drafts (refactors, copies) may already
+    keep the machine busy, and each batched round copies the KV in and out (on CPU, batching
+    them lost: 0.6x with 4 refactor streams, while short drafts gained 2-2.7x). The width
+    comes from the measured batch cost surface (engine/batch_cost.py). Returns how many ran
+    in a batch."""
     groups: dict[tuple, list[Forward]] = {}
     for f in forwards:
-        if batchable(f):
+        if batchable(f, max_width):
             groups.setdefault(tuple(f.taps), []).append(f)
         else:
             f.run(target)

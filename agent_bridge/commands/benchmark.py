@@ -172,18 +172,21 @@ def _write_json(args: argparse.Namespace, report: dict) -> None:
 
 
 def _tune(engine) -> None:
-    """The verify cost curve, cached or measured now (once per machine and model)."""
-    from engine import tune
+    """The verify cost curve and the batch cost surface, cached or measured now (once per
+    machine and model)."""
+    from engine import tune, tune_batch
 
     _progress("verify cost curve: cached or measuring (once per machine and model)")
     engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
         f"measuring verify cost curve: {what} ({i}/{n})")))
+    engine.call(lambda target: tune_batch(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
+        f"measuring batch cost surface: {what} ({i}/{n})")))
 
 
 def run_concurrency(args: argparse.Namespace, max_draft) -> int:
     """`--concurrency`: N requests at once against the same N one at a time (engine/concurrency_bench.py)."""
     from agent_bridge.cli import CommandError
-    from engine import Engine, available_modes, describe_platform
+    from engine import Engine, available_modes, describe_platform, surface_for
     from engine.benchmark import _load_average
     from engine.concurrency_bench import CONCURRENT_CONTENTS, format_rows
     from engine.concurrency_bench import run_concurrency as run_levels
@@ -204,6 +207,7 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
             if max_draft == "auto" and not args.no_tune:
                 _tune(engine)
             machine = engine.call(lambda t: {**describe_platform(), "device_name": device_name()})
+            surface = engine.call(lambda t: surface_for(t, engine.kv_bits)).describe()
             load_start = _load_average()
             rows = []
             for mode in modes:
@@ -214,7 +218,7 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
             report = {"machine": machine, "model": engine.info(),
                       "settings": {"concurrency": levels, "contents": names, "modes": modes, "max_draft": max_draft,
                                    "trials": args.trials, "max_tokens": args.max_tokens, "dtype": args.dtype},
-                      "concurrency": rows, "load_average": {"start": load_start, "end": _load_average()},
+                      "batch_surface": surface, "concurrency": rows, "load_average": {"start": load_start, "end": _load_average()},
                       "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         _end_progress()
@@ -226,6 +230,10 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
     print(f"model {report['model']['model']} ({report['model']['dtype']}); {m['os']}, {m['device_name']}, "
           f"MLX {m['mlx']}; load {load['start']} -> {load['end']}; max draft {args.max_draft}, "
           f"{args.trials} trials, medians; ratio = together / one at a time, aggregate tokens/s")
+    sf = report["batch_surface"]
+    print(f"batch cost surface {'measured ' + sf['measured_at'] if sf['measured'] else 'not measured (defaults)'}: "
+          f"verify forwards up to {sf['max_batched_width']} tokens wide batched; --max-batch auto would be "
+          f"{sf['max_batch']}")
     for mode in dict.fromkeys(r["mode"] for r in rows):
         print(f"\nmode {mode}")
         print(format_rows([r for r in rows if r["mode"] == mode]))

@@ -33,13 +33,15 @@ def run(args: argparse.Namespace) -> int:
         if not full or min(full) < 1:
             raise CommandError("--prefill-tokens needs token counts >= 1")
     info = describe_platform()
-    roof, problem, prefill = None, None, None
+    roof, problem, prefill, surface = None, None, None, None
     if not args.no_model:
-        from engine import Engine, EngineError, machine_report, prefill_report
+        from engine import Engine, EngineError, machine_report, prefill_report, tune_batch
 
         try:
             with Engine(args.model, prefix_cache=False) as engine:
                 roof = {"model": engine.model_path, **engine.call(machine_report)}
+                # what `serve --max-batch auto` uses: cached, else measured now (and cached)
+                surface = engine.call(lambda t: tune_batch(t, repeats=2))
                 if not args.no_prefill and "advice" not in info:  # on a slow BLAS: fix that first
                     sizes = tuple(sorted(set((8192, 32768) + full)))
                     prefill = engine.call(lambda t: prefill_report(t, sizes, engine.prefill_chunk, full))
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             problem = str(e)
     if args.json:
         print(json.dumps({**info, "roofline": roof, "prefill": prefill,
+                          "batch_surface": surface.describe() if surface else None,
                           **({"roofline_error": problem} if problem else {})}, indent=2))
         return 0
     for key, value in info.items():
@@ -66,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
                   f"verify cost {costs}; perfect drafter {d['best_speedup_perfect_drafter']}x at width "
                   f"{d['best_width']}")
         print(f"{'curve':>14}: {roof['curve']}")
+    if surface:
+        from .tune import surface_lines
+
+        print()
+        print("\n".join(surface_lines(surface)))
     if prefill:
         print(f"\ncold prefill, {prefill['chunk']}-token chunks; float32 matmul: numpy's BLAS "
               f"{prefill['numpy_gflops']} GFLOP/s, MLX's {prefill['mlx_gflops']} GFLOP/s (measured now)")
