@@ -28,6 +28,9 @@ BATCHES = (1, 2, 4, 8)
 WIDTHS = (1, 2, 4, 8, 16, 32)
 DEPTH = 1024  # context per sequence; the KV copy of a batched round grows with it
 REPEATS = 3
+# What `--max-batch auto` and `doctor` measure when nothing is cached (seconds on a CPU);
+# `mlx-dspark tune` measures the full grid.
+QUICK = dict(widths=(1, 2, 4, 8, 16), depth=512, repeats=2)
 BATCHING_MARGIN = 0.10  # batching a width must save a tenth of the forward-seconds at every batch size
 BATCH_GAIN = 0.15  # a larger batch must raise aggregate tokens per second by 15% to be worth its latency
 SHORT_DRAFT_WIDTH = 8  # `best_max_batch` judges by widths up to this: short drafts, where batching pays most
@@ -246,6 +249,19 @@ def tune_batch(target, kv_bits: int | None = None, refresh: bool = False, **meas
     surface = measure_batch_surface(target, key=key, kv_bits=kv_bits, **measure_kwargs)
     save_batch_surface(surface)
     return surface
+
+
+def quick_surface(target, kv_bits: int | None = None) -> BatchSurface:
+    """The cached surface, else a quick one measured now and cached; on a slow reference BLAS
+    (minutes to measure, and `doctor` says to fix that first) the default."""
+    from .platform import slow_blas_warning
+
+    cached = load_batch_surface(curve_key(target, kv_bits))
+    if cached is not None:
+        return cached
+    if slow_blas_warning():
+        return BatchSurface.default(curve_key(target, kv_bits))
+    return tune_batch(target, kv_bits, **QUICK)
 
 
 _memo: dict[tuple, tuple] = {}  # (id(target), kv_bits) -> (weak ref to the target, surface)

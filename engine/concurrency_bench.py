@@ -106,7 +106,8 @@ def bench_level(engine, name: str, c: int, trials: int, sampling: SamplingParams
 
 def run_concurrency(engine, names: list[str], levels: list[int], trials: int = 3,
                     sampling: SamplingParams | None = None, mode: str | None = None, max_draft="auto",
-                    max_tokens: int | None = None, progress: Callable[[str], None] = lambda msg: None) -> list[dict]:
+                    max_tokens: int | None = None, progress: Callable[[str], None] = lambda msg: None,
+                    on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """One row per content and level (see the module's docstring). Cold prompts (no prefix
     cache: a repeated trial must not start warm); the engine's max_batch is put back after."""
     for name in names:
@@ -127,9 +128,18 @@ def run_concurrency(engine, names: list[str], levels: list[int], trials: int = 3
                     run_together(engine, warm, min(max_tokens or budget, 16), b, sampling, mode, max_draft)
                 for c in levels:
                     rows.append(bench_level(engine, name, c, trials, sampling, mode, max_draft, max_tokens, progress))
+                    on_row(rows[-1])
     finally:
         engine.max_batch = saved
     return rows
+
+
+def row_line(r: dict) -> str:
+    """One row as a line, printed as soon as it is measured (a long run cut short keeps it)."""
+    one, tog = r["one_at_a_time"], r["together"]
+    return (f"{r['content']} x{r['requests']}: {one['tok_s']:.1f} -> {tog['tok_s']:.1f} tok/s ({r['ratio']:.2f}x), "
+            f"TTFT mean {one['ttft_mean_s']:.3f} -> {tog['ttft_mean_s']:.3f} s, max {one['ttft_max_s']:.3f} -> "
+            f"{tog['ttft_max_s']:.3f} s, identical {'yes' if r['identical'] else 'NO'}")
 
 
 def format_rows(rows: list[dict]) -> str:

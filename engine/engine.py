@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .batch_cost import surface_for, tune_batch
+from .batch_cost import quick_surface, surface_for
 from .batch_verify import Forward, run_forwards
 from .draft_control import draft_controller
 from .prefill_chunk import chunk_for
@@ -189,7 +189,7 @@ class Engine:
                 raise
         resolve_mode(mode, self.target)  # fail early on an unknown default mode
         if max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/batch_cost.py)
-            self.max_batch = self.call(lambda t: tune_batch(t, kv_bits, repeats=2).best_max_batch())
+            self.max_batch = self.call(lambda t: quick_surface(t, kv_bits).best_max_batch())
         try:
             if kv_bits:
                 kv_group_size(self.target.config)  # fail early on a head size KV quantisation can't take

@@ -188,7 +188,7 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
     from agent_bridge.cli import CommandError
     from engine import Engine, available_modes, describe_platform, surface_for
     from engine.benchmark import _load_average
-    from engine.concurrency_bench import CONCURRENT_CONTENTS, format_rows
+    from engine.concurrency_bench import CONCURRENT_CONTENTS, format_rows, row_line
     from engine.concurrency_bench import run_concurrency as run_levels
     from engine.cost_curve import device_name
     from engine.modes import resolve_mode
@@ -212,8 +212,9 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
             rows = []
             for mode in modes:
                 resolved = engine.call(lambda t: resolve_mode(mode, t))
+                on_row = (lambda r: None) if args.json else (lambda r: print(f"[{resolved}] {row_line(r)}", flush=True))
                 for row in run_levels(engine, names, levels, trials=args.trials, mode=mode, max_draft=max_draft,
-                                      max_tokens=args.max_tokens, progress=_progress):
+                                      max_tokens=args.max_tokens, progress=_progress, on_row=on_row):
                     rows.append({"mode": resolved, **row})
             report = {"machine": machine, "model": engine.info(),
                       "settings": {"concurrency": levels, "contents": names, "modes": modes, "max_draft": max_draft,

@@ -35,13 +35,14 @@ def run(args: argparse.Namespace) -> int:
     info = describe_platform()
     roof, problem, prefill, surface = None, None, None, None
     if not args.no_model:
-        from engine import Engine, EngineError, machine_report, prefill_report, tune_batch
+        from engine import Engine, EngineError, machine_report, prefill_report
+        from engine.batch_cost import quick_surface
 
         try:
             with Engine(args.model, prefix_cache=False) as engine:
                 roof = {"model": engine.model_path, **engine.call(machine_report)}
                 # what `serve --max-batch auto` uses: cached, else measured now (and cached)
-                surface = engine.call(lambda t: tune_batch(t, repeats=2))
+                surface = engine.call(quick_surface)
                 if not args.no_prefill and "advice" not in info:  # on a slow BLAS: fix that first
                     sizes = tuple(sorted(set((8192, 32768) + full)))
                     prefill = engine.call(lambda t: prefill_report(t, sizes, engine.prefill_chunk, full))
