@@ -378,8 +378,8 @@ class Engine:
                         if isinstance(f := self._step(job, steps), Forward)]
             if forwards:
                 try:
-                    widest = surface_for(self.target, self.kv_bits).max_batched_width()
-                    self.batched_rounds += run_forwards(self.target, forwards, widest)
+                    surface = surface_for(self.target, self.kv_bits)  # what batching pays for here
+                    self.batched_rounds += run_forwards(self.target, forwards, surface)
                 except Exception as e:  # those jobs fail at their next step (no result); the engine goes on
                     logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
 

@@ -15,6 +15,7 @@ from agent_bridge.cli import main
 from engine import (BatchSurface, CostCurve, DraftController, Engine, GenerationRequest, curve_key,
                     load_batch_surface, load_target, surface_for, tune_batch)
 from engine.batch_cost import save_batch_surface, surface_path
+from engine.batch_verify import Forward, choose_batch
 from engine.cost_curve import curve_path
 
 BATCHES, WIDTHS = [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]
@@ -86,6 +87,21 @@ def test_factor_prices_a_draft_among_batched_sequences():
     assert s.factor(1, 32) == 1.0
     assert s.factor(4, 4) == pytest.approx(1.0)  # batched as cheaply as a plain step
     assert s.factor(4, 16) == pytest.approx(2.0)  # runs alone while plain steps cost half: sqrt(4) dearer
+
+
+def test_the_scheduler_batches_what_the_surface_says_pays():
+    fw = lambda *widths: [Forward(list(range(w)), []) for w in widths]  # noqa: E731
+    widths = lambda fs: sorted(len(f.tokens) for f in fs)  # noqa: E731
+    assert widths(choose_batch(fw(3, 2, 16, 2), synthetic(widest=8))) == [2, 2, 3]  # 16: wider than pays
+    assert choose_batch(fw(2, 3), synthetic(lambda b: 1.0)) == []  # batching saves nothing: all alone
+    assert widths(choose_batch(fw(2, 16), BatchSurface.default())) == [2]  # unmeasured: up to 8 wide
+    # Batching pays at every width (sqrt(b) for b rows) but a batch computes every row at its
+    # widest member's width: one long draft among three one-token steps is cheaper alone.
+    alone = lambda w: 1.0 + 0.2 * (w - 1)  # noqa: E731
+    padded = BatchSurface(BATCHES, WIDTHS, [[math.sqrt(b) * alone(w) for w in WIDTHS] for b in BATCHES])
+    assert padded.max_batched_width() == 32
+    assert widths(choose_batch(fw(1, 16, 1, 1), padded)) == [1, 1, 1]
+    assert widths(choose_batch(fw(16, 16, 1), padded)) == [1, 16, 16]
 
 
 def test_controller_drafts_shorter_while_sequences_share_the_forward():
