@@ -188,11 +188,11 @@ class Engine:
                 self.close()
                 raise
         resolve_mode(mode, self.target)  # fail early on an unknown default mode
-        if max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/batch_cost.py)
-            self.max_batch = self.call(lambda t: quick_surface(t, kv_bits).best_max_batch())
         try:
             if kv_bits:
                 kv_group_size(self.target.config)  # fail early on a head size KV quantisation can't take
+            if max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/batch_cost.py)
+                self.max_batch = self.call(lambda t: quick_surface(t, kv_bits).best_max_batch())
             if prefix_cache:
                 mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731
                 self.prefix_cache = self.call(lambda t: PrefixCache(
