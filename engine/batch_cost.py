@@ -80,12 +80,13 @@ class BatchSurface:
         """How much dearer a width-w forward is, relative to a plain step, among b decoding
         sequences than alone. Alone it costs S(1,w)/S(1,1) plain steps; in the batch a plain
         step costs S(b,1)/b, and a width-w forward S(b,w)/b if it is batched, else (wider than
-        `max_batched_width`) S(1,w), run alone. 1 for batch 1 (or unmeasured)."""
+        `max_batched_width`) S(1,w), run alone (a plain step too, where none batch). 1 for batch
+        1 (or unmeasured)."""
         if batch <= 1 or not self.measured:
             return 1.0
-        alone = self.step_seconds(1, width) / self.step_seconds(1, 1)
-        own = self.step_seconds(batch, width) if width <= self.max_batched_width() else batch * self.step_seconds(1, width)
-        return own / self.step_seconds(batch, 1) / alone
+        own = lambda w: (self.step_seconds(batch, w) if w <= self.max_batched_width()  # noqa: E731
+                         else batch * self.step_seconds(1, w))
+        return (own(width) / own(1)) / (self.step_seconds(1, width) / self.step_seconds(1, 1))
 
     def saving(self, batch: int, width: int) -> float:
         """The share of forward-seconds batching saves against running the b forwards alone."""
@@ -161,13 +162,13 @@ def measure_batch_surface(
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> BatchSurface:
     """Time the scheduler's batched forward for each batch size and width (median of
-    `repeats` whole sweeps), every sequence at `depth` tokens of random context. Caches the
-    scheduler can't merge (quantised, rotating, recurrent) are measured as it runs them:
-    one forward after another."""
+    `repeats` whole sweeps), every sequence at `depth` tokens of random context. Where the
+    scheduler can't merge the caches (quantised, rotating, recurrent layers) only batch 1 is
+    measured: nothing is batched, so the surface says so (max batch 1, factor 1)."""
     import mlx.core as mx
     import numpy as np
 
-    from .batch_verify import Forward, run_forwards
+    from .batch_verify import Forward, batchable, run_forwards
     from .kv_segments import fresh_cache
     from .rollback import mark, take_back
 
@@ -179,13 +180,15 @@ def measure_batch_surface(
     rng = np.random.default_rng(seed)
     t_start = time.perf_counter()
     caches = []
-    for _ in range(batches[-1]):
+    while len(caches) < batches[-1]:
         cache = fresh_cache(target, kv_bits)
         context = rng.integers(0, target.vocab_size, size=depth).tolist()
         for s in range(0, depth, 512):
             target.forward(context[s:s + 512], cache)
             mx.eval([c.state for c in cache])
         caches.append(cache)
+        if not batchable(Forward([0], cache)):
+            batches = [1]
     draws = {w: rng.integers(0, target.vocab_size, size=w).tolist() for w in widths}
     passes = {(b, w): [] for b in batches for w in widths}
     total, done = len(passes) * repeats, 0

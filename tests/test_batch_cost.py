@@ -63,6 +63,17 @@ def test_measured_once_cached_beside_the_curve_and_read_back(cache_home, target)
     assert tune_batch(target, batches=(1, 2), widths=(1, 2), depth=32, repeats=1).widths == [1, 2]
 
 
+def test_caches_the_scheduler_cant_merge_measure_as_unbatched(cache_home, tmp_path):
+    from tiny_models import build_family_model
+
+    sliding = load_target(build_family_model(tmp_path / "gemma3", "gemma3"))  # rotating KV layers
+    surface = tune_batch(sliding, widths=(1, 2, 4), depth=32, repeats=1)
+    assert surface.measured and surface.batches == [1]
+    assert surface.max_batched_width() == 0 and surface.best_max_batch() == 1
+    assert surface.factor(4, 4) == pytest.approx(1.0)  # each runs alone: as if alone
+    assert load_batch_surface(curve_key(sliding)).batches == [1]
+
+
 def test_unmeasured_defaults_keep_issue_14s_choices():
     d = BatchSurface.default()
     assert not d.measured and d.max_batched_width() == 8 and d.best_max_batch() == 4
