@@ -35,7 +35,7 @@ QUICK = dict(widths=(1, 2, 4, 8, 16), depth=512, repeats=2)
 BATCHING_MARGIN = 0.10  # batching a width must save a tenth of the forward-seconds at every batch size
 BATCH_GAIN = 0.15  # a larger batch must raise aggregate tokens per second by 15% to be worth its latency
 SHORT_DRAFT_WIDTH = 8  # `best_max_batch` judges by widths up to this: short drafts, where batching pays most
-# Unmeasured: what the CPU runs of issue 14 chose (scripts/bench_concurrency.py).
+# Unmeasured (or nothing batched): what the CPU runs of issue 14 chose (scripts/bench_concurrency.py).
 DEFAULT_MAX_BATCHED_WIDTH = 8
 DEFAULT_MAX_BATCH = 4
 
@@ -112,12 +112,15 @@ class BatchSurface:
     def best_max_batch(self, gain: float = BATCH_GAIN) -> int:
         """The largest measured batch whose aggregate tokens per forward-second beats every
         smaller batch chosen before it by `gain`, over the short drafts' widths (those up to
-        `SHORT_DRAFT_WIDTH` that are batched: where batching pays most); 1 where none are."""
+        `SHORT_DRAFT_WIDTH` that are batched: where batching pays most). Where nothing is
+        batched, sequences still take turns a step each, at no cost in throughput (every
+        forward runs alone either way), so a short side request needn't wait for a long turn:
+        then the default."""
         if not self.measured:
             return DEFAULT_MAX_BATCH
         widths = [w for w in self.widths if w <= min(SHORT_DRAFT_WIDTH, self.max_batched_width())]
         if not widths:
-            return 1
+            return DEFAULT_MAX_BATCH
         throughput = lambda b: b * len(widths) / sum(self.step_seconds(b, w) for w in widths)  # noqa: E731
         best = self.batches[0]
         for b in self.batches[1:]:
@@ -164,7 +167,7 @@ def measure_batch_surface(
     """Time the scheduler's batched forward for each batch size and width (median of
     `repeats` whole sweeps), every sequence at `depth` tokens of random context. Where the
     scheduler can't merge the caches (quantised, rotating, recurrent layers) only batch 1 is
-    measured: nothing is batched, so the surface says so (max batch 1, factor 1)."""
+    measured: nothing is batched, so the surface says so (widest batched width 0, factor 1)."""
     import mlx.core as mx
     import numpy as np
 
