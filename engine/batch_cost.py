@@ -7,7 +7,8 @@ key (engine/cost_curve.py). Three readers:
 
 - the draft controller, while several sequences decode: what a draft costs relative to a
   plain step *in a batch of b* (`factor`; engine/draft_control.py);
-- the scheduler: the widest forward worth batching (`max_batched_width`; wider ones run alone);
+- the scheduler: which forwards to batch (`max_batched_width`, then the cheapest split:
+  engine/batch_verify.py `choose_batch`);
 - `--max-batch auto`: the largest batch whose aggregate throughput still gains (`best_max_batch`).
 """
 
@@ -32,7 +33,7 @@ REPEATS = 3
 # What `--max-batch auto` and `doctor` measure when nothing is cached (seconds on a CPU);
 # `mlx-dspark tune` measures the full grid.
 QUICK = dict(widths=(1, 2, 4, 8, 16), depth=512, repeats=2)
-BATCHING_MARGIN = 0.10  # batching a width must save a tenth of the forward-seconds at every batch size
+BATCHING_MARGIN = 0.10  # batching a width must save a tenth of the forward-seconds (median over batch sizes)
 BATCH_GAIN = 0.15  # a larger batch must raise aggregate tokens per second by 15% to be worth its latency
 SHORT_DRAFT_WIDTH = 8  # `best_max_batch` judges by widths up to this: short drafts, where batching pays most
 # Unmeasured (or nothing batched): what the CPU runs of issue 14 chose (scripts/bench_concurrency.py).
