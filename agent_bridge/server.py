@@ -31,7 +31,6 @@ from .webapp import routes as webapp
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 4096
-DEFAULT_MAX_BATCH = 4  # side requests (titles, sub-agents) don't wait for the main loop's long turn
 OPEN_PATHS = ("/", "/health")  # reachable without the API key
 MAX_HEADER_BYTES = 64 * 1024  # all request headers together; more is no client we serve
 OPEN_PREFIXES = ("/ui/",)  # the web app's static files (the page then asks for the key)

@@ -8,6 +8,7 @@ The one door for the server, MCP tools and benchmark:
         ...                                    # PrefillProgress, Tokens, Done
 """
 
+from .batch_cost import BatchSurface, load_batch_surface, surface_for, tune_batch
 from .cost_curve import CostCurve, cache_dir, curve_for_requests, curve_key, load_cost_curve, tune
 from .draft_control import DraftController, best_draft_cap
 from .prefill_chunk import tune_prefill
@@ -32,6 +33,10 @@ from .sampling import SamplingParams
 from .target import Target, load_target
 
 __all__ = [
+    "BatchSurface",
+    "load_batch_surface",
+    "surface_for",
+    "tune_batch",
     "BENCH_CONTENTS",
     "BenchContent",
     "CostCurve",

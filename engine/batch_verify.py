@@ -1,8 +1,8 @@
 """Verify forwards of several sequences in one batched forward.
 
 With `--max-batch` > 1 each decoding sequence's round hands its verify forward (the last
-token plus its draft) to the scheduler as a `Forward`; the scheduler runs all of a step's
-forwards together. Sequences have different depths and draft lengths: their caches are
+token plus its draft) to the scheduler as a `Forward`; the scheduler runs a step's forwards
+together where the measured batch cost surface (engine/batch_cost.py) says that pays. Sequences have different depths and draft lengths: their caches are
 merged into mlx-lm's left-padded `BatchKVCache`, the inputs right-padded to the longest
 draft (a padded position comes after every real one, so causally no real token sees it),
 and each sequence's cache is cut back out afterwards, without the padding. Weights are read
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .batch_cost import BatchSurface
 from .state_capture import bind, recording
 from .target import Target
 
@@ -42,19 +43,14 @@ class Forward:
         self.captured = bind(tape, self.cache, len(self.tokens))
 
 
-# Wider forwards (long drafts: refactors, copies) already keep the machine busy, and each
-# batched round copies the KV in and out: measured on CPU, batching them lost (0.6x with 4
-# refactor streams) while short drafts gained 2-2.7x. They run alone, between the batches.
-MAX_BATCHED_WIDTH = 8
-
-
 def batchable(f: Forward) -> bool:
-    return len(f.tokens) <= MAX_BATCHED_WIDTH and all(type(c) is KVCache and c.keys is not None for c in f.cache)
+    return all(type(c) is KVCache and c.keys is not None for c in f.cache)
 
 
-def run_forwards(target: Target, forwards: list[Forward]) -> int:
-    """Run every forward: those that can share a batch (same taps) together, the rest alone.
-    Returns how many ran in a batch."""
+def run_forwards(target: Target, forwards: list[Forward], surface: BatchSurface | None = None) -> int:
+    """Run every forward: those that can share a batch (same taps), as `choose_batch` picks
+    them from the measured `surface`, together; the rest alone. Without a surface every
+    batchable forward joins (the surface's own measurement). Returns how many ran in a batch."""
     groups: dict[tuple, list[Forward]] = {}
     for f in forwards:
         if batchable(f):
@@ -63,12 +59,35 @@ def run_forwards(target: Target, forwards: list[Forward]) -> int:
             f.run(target)
     batched = 0
     for group in groups.values():
-        if len(group) == 1:
-            group[0].run(target)
-        else:
-            run_batched(target, group)
-            batched += len(group)
+        together = group if surface is None else choose_batch(group, surface)
+        for f in group:
+            if not any(f is t for t in together):
+                f.run(target)
+        if len(together) > 1:
+            run_batched(target, together)
+            batched += len(together)
+        elif together:
+            together[0].run(target)
     return batched
+
+
+def choose_batch(group: list[Forward], surface: BatchSurface) -> list[Forward]:
+    """The forwards worth one batched forward. Only those up to the surface's widest batched
+    width: long drafts (refactors, copies) may keep the machine busy alone, and each batched
+    round copies the KV in and out (on CPU, batching them lost: 0.6x with 4 refactor streams,
+    while short drafts gained 2-2.7x). Among those, the narrowest n, n chosen to make the step
+    cheapest by the measured surface: a batch computes every row at its widest member's width,
+    so one long draft among short ones may be cheaper alone. Unmeasured: all that fit."""
+    fit = sorted((f for f in group if len(f.tokens) <= surface.max_batched_width()), key=lambda f: len(f.tokens))
+    if not surface.measured:
+        return fit
+    alone = [surface.step_seconds(1, len(f.tokens)) for f in fit]
+    best_n, best = 1, sum(alone)
+    for n in range(2, len(fit) + 1):
+        cost = surface.step_seconds(n, len(fit[n - 1].tokens)) + sum(alone[n:])
+        if cost < best:
+            best_n, best = n, cost
+    return fit[:best_n] if best_n > 1 else []
 
 
 def run_batched(target: Target, group: list[Forward]) -> None:

@@ -86,26 +86,28 @@ def _copy_budget(engine, code: str) -> int:
     return int(len(engine.encode(code)) * 1.15) + 48
 
 
-def build_content(engine, name: str, long_depth: int | None = None) -> Content:
-    """A content by name (all but `agent`, which needs a recorded session)."""
+def build_content(engine, name: str, long_depth: int | None = None, tag: str = "") -> Content:
+    """A content by name (all but `agent`, which needs a recorded session). A `tag` leads the
+    user's message: the same task as a distinct request (the concurrency benchmark's)."""
     import prompts
 
     system = prompts.load("system").strip()
+    user = lambda text: f"{tag}\n{text}" if tag else text  # noqa: E731
     if name == "chat":
-        return Content(name, [_chat(engine, CHAT_PROMPT)], 200)
+        return Content(name, [_chat(engine, user(CHAT_PROMPT))], 200)
     if name == "code":
-        return Content(name, [_chat(engine, CODE_PROMPT)], 200)
+        return Content(name, [_chat(engine, user(CODE_PROMPT))], 200)
     if name == "math":
-        return Content(name, [_chat(engine, MATH_PROMPT)], 200)
+        return Content(name, [_chat(engine, user(MATH_PROMPT))], 200)
     if name == "refactor":
         path, code, old, new = refactor_source()
-        user = prompts.render("rename_symbol", path=path, old=old, new=new, code=code)
-        return Content(name, [_chat(engine, user, system)], _copy_budget(engine, code),
+        task = prompts.render("rename_symbol", path=path, old=old, new=new, code=code)
+        return Content(name, [_chat(engine, user(task), system)], _copy_budget(engine, code),
                        note=f"rename {old} -> {new} in {path} ({code.count(chr(10))} lines)")
     if name == "edit":
         path, code, instruction = edit_source()
-        user = prompts.render("edit_file", path=path, instruction=instruction, code=code)
-        return Content(name, [_chat(engine, user, system)], _copy_budget(engine, code),
+        task = prompts.render("edit_file", path=path, instruction=instruction, code=code)
+        return Content(name, [_chat(engine, user(task), system)], _copy_budget(engine, code),
                        note=f"{instruction} in {path} ({code.count(chr(10))} lines)")
     if name == "long":
         return build_long(engine, long_depth or LONG_DEPTHS[0])

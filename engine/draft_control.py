@@ -8,6 +8,7 @@ where it doesn't pay, and a probe now and then.
 
 from __future__ import annotations
 
+from .batch_cost import BatchSurface, surface_for
 from .cost_curve import MAX_WIDTH, CostCurve, curve_for_requests
 
 
@@ -60,6 +61,11 @@ class DraftController:
     only when that beats the current cap by `hysteresis`; drafting turns off when no
     cap is expected to gain `min_gain`, and then a probe of `probe_cap` tokens is
     tried every `probe_every` rounds (doubling while probes fail, up to `probe_max`).
+
+    While `batch` sequences share each verify forward (the engine sets it per round), a
+    draft's cost is the width curve's scaled by the batch cost surface's factor for that
+    batch size: in a batch, plain steps are cheap per sequence and wide forwards less so,
+    so the draft that pays is shorter.
     """
 
     def __init__(
@@ -74,19 +80,34 @@ class DraftController:
         probe_every: int = 16,
         probe_max: int = 256,
         probe_cap: int = 4,
+        surface: BatchSurface | None = None,
     ):
         self.curve, self.depth, self.max_cap = curve, depth, max_cap
+        self.surface = surface or BatchSurface.default()
+        self._batch = 1
         self.decay, self.hysteresis, self.min_gain = decay, hysteresis, min_gain
         self.probe_every, self.probe_max, self.probe_cap = probe_every, probe_max, probe_cap
         prior = min(max(prior, 0.01), 0.99)
         self._acc, self._rej = prior / (1 - prior), 1.0  # one pseudo-round at the prior
-        self._costs_bucket, self._costs = -1, []
+        self._costs_bucket, self._costs = None, []
         self.cap = 0
         self.off = False
         self._since_probe = 0
         self._interval = probe_every
         self._probing = False
         self.cap = self._decide(first=True)
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    @batch.setter
+    def batch(self, n: int) -> None:
+        """Sequences decoding together now; the cap is decided again when it changes."""
+        n = max(1, int(n))
+        if n != self._batch:
+            self._batch = n
+            self.cap = self._decide()
 
     @property
     def acceptance(self) -> float:
@@ -116,10 +137,11 @@ class DraftController:
             self._interval = min(self._interval * 2, self.probe_max)
 
     def _current_costs(self) -> list[float]:
-        bucket = self.depth // 512  # the curve changes slowly with depth
+        bucket = (self.depth // 512, self._batch)  # the curve changes slowly with depth
         if bucket != self._costs_bucket:
             self._costs_bucket = bucket
-            self._costs = self.curve.costs(bucket * 512 + 256, self.max_cap + 1)
+            costs = self.curve.costs(bucket[0] * 512 + 256, self.max_cap + 1)
+            self._costs = [c * self.surface.factor(self._batch, w) for w, c in enumerate(costs, 1)]
         return self._costs
 
     def _decide(self, first: bool = False) -> int:
@@ -146,4 +168,5 @@ class DraftController:
 
 def draft_controller(target, prompt_tokens: int, kv_bits: int | None = None) -> DraftController:
     """A fresh controller for one generation (the engine builds one per `auto` request)."""
-    return DraftController(curve_for_requests(target, kv_bits), depth=prompt_tokens)
+    return DraftController(curve_for_requests(target, kv_bits), depth=prompt_tokens,
+                           surface=surface_for(target, kv_bits))

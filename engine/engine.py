@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from .batch_cost import quick_surface, surface_for
 from .batch_verify import Forward, run_forwards
 from .draft_control import draft_controller
 from .prefill_chunk import chunk_for
@@ -127,7 +128,7 @@ class Engine:
         drafter: str | None = None,
         drafter_bits: int | None = None,
         loop_guard: int = 0,
-        max_batch: int = 1,
+        max_batch: int | str = 1,
     ):
         """`loop_guard`: end a generation whose last N committed tokens repeat one short
         n-gram (engine/loop_guard.py), as `length`; 0 (the library's default) never does."""
@@ -158,9 +159,9 @@ class Engine:
         self.job_observers: list[Callable[[Job], None]] = []  # see each job before it queues (telemetry)
         self.target: Target | None = None
         self.vision: Vision | None = None  # a VLM's vision half (engine/vision.py), else None
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, not {max_batch!r}")
-        self.max_batch = max_batch
+        if max_batch != "auto" and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch must be a whole number >= 1 or 'auto', not {max_batch!r}")
+        self.max_batch = 1 if max_batch == "auto" else max_batch
         self.batched_rounds = 0  # sequence rounds verified in a batched forward
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
         self._waiting: collections.deque[Job] = collections.deque()
@@ -193,6 +194,8 @@ class Engine:
         try:
             if kv_bits:
                 kv_group_size(self.target.config)  # fail early on a head size KV quantisation can't take
+            if max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/batch_cost.py)
+                self.max_batch = self.call(lambda t: quick_surface(t, kv_bits).best_max_batch())
             if prefix_cache:
                 mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731
                 self.prefix_cache = self.call(lambda t: PrefixCache(
@@ -399,7 +402,8 @@ class Engine:
                         if isinstance(f := self._step(job, steps), Forward)]
             if forwards:
                 try:
-                    self.batched_rounds += run_forwards(self.target, forwards)
+                    surface = surface_for(self.target, self.kv_bits)  # what batching pays for here
+                    self.batched_rounds += run_forwards(self.target, forwards, surface)
                 except Exception as e:  # those jobs fail at their next step (no result); the engine goes on
                     logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
 
@@ -428,6 +432,10 @@ class Engine:
             with self._lock:
                 self._running.remove((job, steps))
             job.emit(finished)
+
+    def _decoding(self) -> int:
+        """How many running jobs decode (their verify forwards may share a batch)."""
+        return sum(1 for j, _ in self._running if j.phase == "decode")
 
     def _fail_all(self, error: EngineError) -> None:
         with self._lock:
@@ -545,6 +553,8 @@ class Engine:
             if job.cancelled:
                 finish = "cancelled"
                 break
+            if controller is not None:  # the draft that pays depends on how many share the forward
+                controller.batch = self._decoding() if self.max_batch > 1 else 1
             rnd = next(rounds)
             if isinstance(rnd, Forward):  # run by the scheduler, with the other sequences' forwards
                 yield rnd

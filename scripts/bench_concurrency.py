@@ -1,93 +1,29 @@
-"""Several requests at once against the same requests one at a time, in one process.
+"""`mlx-dspark benchmark --concurrency`'s figures, plus one that needs the HTTP server.
 
     python scripts/bench_concurrency.py [--model DIR] [--contents chat,refactor] [--concurrency 1,2,4]
 
-For each content and concurrency c, c distinct requests (the content's prompt, each with its
-own first line) are submitted together to the engine, with --max-batch 1 (one at a time, in
-arrival order) and with --max-batch c (verified together in batched forwards), alternating
-which goes first, `--trials` times (medians reported). Reported: aggregate tokens/s (all tokens / wall time), the median and worst time to
-first token per request (from submission), and whether every request's tokens were identical.
-Then, over HTTP: how soon a streaming client queued behind a long request gets its first
-byte (the opening event) and its first token, with --max-batch 1 and 4.
+The concurrency rows (aggregate tokens/s and time to first token of N requests at once
+against the same N one at a time, identical outputs) are engine/concurrency_bench.py's, the
+same code `mlx-dspark benchmark --concurrency` runs. Added here: how soon a streaming client
+queued behind a long request gets its first byte (the opening event) and its first token,
+over HTTP, with --max-batch 1 and 4 (the test harness's server; `--no-http` skips it).
 
-Ratios within one run are what count: the machine may be loaded (the load average is printed).
-On Linux run it with OpenBLAS preloaded, as scripts/test.sh does (MLX's CPU matmuls are far
-slower without it): LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+On Linux run it with OpenBLAS preloaded, as scripts/test.sh does (the CLI does that itself):
+LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Done, Engine, GenerationRequest, Tokens  # noqa: E402
-from engine.benchmark import build_content  # noqa: E402
-
-
-def run_together(engine: Engine, prompts: list[list[int]], max_tokens: int, max_batch: int) -> dict:
-    engine.max_batch = max_batch
-    t0 = time.perf_counter()
-    jobs = [engine.submit(GenerationRequest(p, max_tokens=max_tokens)) for p in prompts]
-    first: list[float | None] = [None] * len(jobs)
-    done: list[Done | None] = [None] * len(jobs)
-
-    def read(i: int) -> None:
-        for ev in jobs[i]:
-            if isinstance(ev, Tokens) and first[i] is None:
-                first[i] = time.perf_counter() - t0
-            if isinstance(ev, Done):
-                done[i] = ev
-
-    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    tokens = sum(len(d.token_ids) for d in done)
-    ttfts = [f if f is not None else wall for f in first]
-    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens, "ttft_median": statistics.median(ttfts),
-            "ttft_max": max(ttfts), "outputs": [d.token_ids for d in done]}
-
-
-def bench_engine(engine: Engine, contents: list[str], levels: list[int], max_tokens: int | None,
-                 trials: int = 3) -> list[dict]:
-    rows = []
-    for name in contents:
-        base = build_content(engine, name)
-        prompt_text = engine.decode(base.prompts[0])
-        budget = min(base.max_tokens, max_tokens) if max_tokens else base.max_tokens
-        for c in levels:
-            # distinct requests: the same task, each with its own first line
-            prompts = [engine.encode(f"Request {i} of {c}.\n" + prompt_text) for i in range(c)]
-            runs: dict[int, list[dict]] = {1: [], c: []}
-            for t in range(trials):
-                for b in ([1, c] if t % 2 == 0 else [c, 1]):  # alternate which runs first
-                    runs[b].append(run_together(engine, prompts, budget, b))
-            med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
-            one = {k: med(runs[1], k) for k in ("tok_s", "ttft_median", "ttft_max")}
-            many = {k: med(runs[c], k) for k in ("tok_s", "ttft_median", "ttft_max")}
-            one["outputs"], many["outputs"] = runs[1][0]["outputs"], runs[c][0]["outputs"]
-            ratios = [m["tok_s"] / o["tok_s"] for o, m in zip(runs[1], runs[c])]
-            rows.append({"content": name, "c": c, "max_tokens": budget,
-                         "alone_tok_s": one["tok_s"], "batched_tok_s": many["tok_s"],
-                         "ratio": statistics.median(ratios),
-                         "alone_ttft_med": one["ttft_median"], "batched_ttft_med": many["ttft_median"],
-                         "alone_ttft_max": one["ttft_max"], "batched_ttft_max": many["ttft_max"],
-                         "identical": all(r["outputs"] == runs[1][0]["outputs"] for r in runs[1] + runs[c])})
-            r = rows[-1]
-            print(f"{name:9s} c={c}  one-at-a-time {r['alone_tok_s']:7.1f} tok/s  max-batch {r['batched_tok_s']:7.1f} "
-                  f"tok/s  (median of per-trial ratios {r['ratio']:.2f}x)  TTFT median {r['alone_ttft_med']:.2f} -> {r['batched_ttft_med']:.2f} s, "
-                  f"worst {r['alone_ttft_max']:.2f} -> {r['batched_ttft_max']:.2f} s  identical={r['identical']}",
-                  flush=True)
-    return rows
+from engine import Engine  # noqa: E402
+from engine.concurrency_bench import format_rows, run_concurrency  # noqa: E402
 
 
 def bench_queued_first_byte(engine: Engine, max_batch: int) -> dict:
@@ -136,7 +72,9 @@ def main() -> int:
     with Engine(args.model, prefix_cache=False, dtype=args.dtype) as engine:
         print(f"model: {engine.model_path}", flush=True)
         levels = [int(c) for c in args.concurrency.split(",")]
-        bench_engine(engine, args.contents.split(","), levels, args.max_tokens or None, args.trials)
+        rows = run_concurrency(engine, args.contents.split(","), levels, args.trials, max_tokens=args.max_tokens or None,
+                               progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        print(format_rows(rows), flush=True)
         if not args.no_http:
             for b in (1, 4):
                 r = bench_queued_first_byte(engine, b)

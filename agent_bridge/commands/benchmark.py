@@ -12,14 +12,22 @@ AGENT_SESSION = Path(__file__).resolve().parents[2].parent / "shared/fixtures/cl
 # engine.benchmark's names, repeated here so that building the parser doesn't import MLX
 CONTENTS = ("chat", "code", "math", "refactor", "edit", "agent", "long")
 DEFAULT_CONTENTS = ("chat", "code", "math", "refactor", "edit", "agent")
+CONCURRENCY_CONTENTS = ("chat", "refactor")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("benchmark", help="measure speedups against plain mlx-lm on this machine")
     p.add_argument("--model", help="mlx-lm model directory or hub id (default: the bundled reference model)")
-    p.add_argument("--contents", default=",".join(DEFAULT_CONTENTS),
-                   help=f"comma-separated, from {','.join(CONTENTS)} (default: %(default)s)")
-    p.add_argument("--modes", default="lookup", help="comma-separated decoding modes (default: lookup)")
+    p.add_argument("--contents", default=None,
+                   help=f"comma-separated, from {','.join(CONTENTS)} (default: {','.join(DEFAULT_CONTENTS)}; "
+                        f"with --concurrency: {','.join(CONCURRENCY_CONTENTS)})")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated decoding modes (default: lookup; with --concurrency: auto, as served)")
+    p.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                   help="instead of the comparison with mlx-lm: N distinct requests of each content at once "
+                        "(batched) against the same N one at a time, for each N (e.g. 1,2,4,8)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: float32 on CPU, the checkpoint's on a GPU)")
     p.add_argument("--max-draft", default="auto", help="draft cap per round, a number or 'auto' (default: auto)")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
     p.add_argument("--trials", type=int, default=3, help="runs per content and mode; medians are reported")
@@ -30,6 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-tune", action="store_true",
                    help="don't measure the verify cost curve first when it isn't cached")
     p.add_argument("--json", action="store_true", help="print every figure as one JSON object")
+    p.add_argument("--json-file", default=None, metavar="PATH", help="also write that JSON object to PATH")
     p.set_defaults(run=run)
 
 
@@ -123,26 +132,27 @@ def _names(value: str, allowed, flag: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from agent_bridge.cli import CommandError
-    from engine import BENCH_CONTENTS, Engine, available_modes, format_bench_table, run_benchmark, tune
+    from engine import BENCH_CONTENTS, Engine, available_modes, format_bench_table, run_benchmark
 
     from .common import parse_max_draft
 
-    names = _names(args.contents, BENCH_CONTENTS, "--contents")
-    modes = _names(args.modes, [m for m in available_modes() if m not in ("auto",)], "--modes")
     max_draft = parse_max_draft(args.max_draft)
     if args.trials < 1:
         raise CommandError("--trials must be >= 1")
+    if args.concurrency is not None:
+        return run_concurrency(args, max_draft)
+    names = _names(args.contents or ",".join(DEFAULT_CONTENTS), BENCH_CONTENTS, "--contents")
+    modes = _names(args.modes or "lookup", [m for m in available_modes() if m not in ("auto",)], "--modes")
     try:
-        with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits) as engine:
+        with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits, dtype=args.dtype) as engine:
             if max_draft == "auto" and not args.no_tune:
-                _progress("verify cost curve: cached or measuring (once per machine and model)")
-                engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
-                    f"measuring verify cost curve: {what} ({i}/{n})")))
+                _tune(engine)
             contents = build_contents(engine, args, names)
             report = run_benchmark(engine, contents, modes=modes, max_draft=max_draft, trials=args.trials,
                                    progress=_progress)
     finally:
         _end_progress()
+    _write_json(args, report)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -151,4 +161,81 @@ def run(args: argparse.Namespace) -> int:
           f"MLX {m['mlx']}; load {report['load_average']['start']} -> {report['load_average']['end']}; "
           f"max draft {args.max_draft}, {args.trials} trials, medians")
     print(format_bench_table(report))
+    return 0
+
+
+def _write_json(args: argparse.Namespace, report: dict) -> None:
+    if args.json_file:
+        path = Path(args.json_file).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _tune(engine) -> None:
+    """The verify cost curve and the batch cost surface, cached or measured now (once per
+    machine and model)."""
+    from engine import tune, tune_batch
+
+    _progress("verify cost curve: cached or measuring (once per machine and model)")
+    engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
+        f"measuring verify cost curve: {what} ({i}/{n})")))
+    engine.call(lambda target: tune_batch(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
+        f"measuring batch cost surface: {what} ({i}/{n})")))
+
+
+def run_concurrency(args: argparse.Namespace, max_draft) -> int:
+    """`--concurrency`: N requests at once against the same N one at a time (engine/concurrency_bench.py)."""
+    from agent_bridge.cli import CommandError
+    from engine import Engine, available_modes, describe_platform, surface_for
+    from engine.benchmark import _load_average
+    from engine.concurrency_bench import CONCURRENT_CONTENTS, format_rows, row_line
+    from engine.concurrency_bench import run_concurrency as run_levels
+    from engine.cost_curve import device_name
+    from engine.modes import resolve_mode
+
+    levels = _ints(args.concurrency, "--concurrency")
+    if not levels or min(levels) < 1:
+        raise CommandError("--concurrency needs request counts >= 1, e.g. 1,2,4,8")
+    names = _names(args.contents or ",".join(CONCURRENCY_CONTENTS), CONCURRENT_CONTENTS, "--contents")
+    modes = _names(args.modes or "auto", available_modes(), "--modes")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise CommandError("--max-tokens must be >= 1")
+    t0 = time.perf_counter()
+    try:
+        with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits, dtype=args.dtype,
+                    prefix_cache=False) as engine:
+            if max_draft == "auto" and not args.no_tune:
+                _tune(engine)
+            machine = engine.call(lambda t: {**describe_platform(), "device_name": device_name()})
+            surface = engine.call(lambda t: surface_for(t, engine.kv_bits)).describe()
+            load_start = _load_average()
+            rows = []
+            for mode in modes:
+                resolved = engine.call(lambda t: resolve_mode(mode, t))
+                on_row = (lambda r: None) if args.json else (lambda r: print(f"[{resolved}] {row_line(r)}", flush=True))
+                for row in run_levels(engine, names, levels, trials=args.trials, mode=mode, max_draft=max_draft,
+                                      max_tokens=args.max_tokens, progress=_progress, on_row=on_row):
+                    rows.append({"mode": resolved, **row})
+            report = {"machine": machine, "model": engine.info(),
+                      "settings": {"concurrency": levels, "contents": names, "modes": modes, "max_draft": max_draft,
+                                   "trials": args.trials, "max_tokens": args.max_tokens, "dtype": args.dtype},
+                      "batch_surface": surface, "concurrency": rows, "load_average": {"start": load_start, "end": _load_average()},
+                      "seconds": round(time.perf_counter() - t0, 1)}
+    finally:
+        _end_progress()
+    _write_json(args, report)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    m, load = report["machine"], report["load_average"]
+    print(f"model {report['model']['model']} ({report['model']['dtype']}); {m['os']}, {m['device_name']}, "
+          f"MLX {m['mlx']}; load {load['start']} -> {load['end']}; max draft {args.max_draft}, "
+          f"{args.trials} trials, medians; ratio = together / one at a time, aggregate tokens/s")
+    sf = report["batch_surface"]
+    print(f"batch cost surface {'measured ' + sf['measured_at'] if sf['measured'] else 'not measured (defaults)'}: "
+          f"verify forwards up to {sf['max_batched_width']} tokens wide batched; --max-batch auto would be "
+          f"{sf['max_batch']}")
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        print(f"\nmode {mode}")
+        print(format_rows([r for r in rows if r["mode"] == mode]))
     return 0

@@ -33,13 +33,16 @@ def run(args: argparse.Namespace) -> int:
         if not full or min(full) < 1:
             raise CommandError("--prefill-tokens needs token counts >= 1")
     info = describe_platform()
-    roof, problem, prefill = None, None, None
+    roof, problem, prefill, surface = None, None, None, None
     if not args.no_model:
         from engine import Engine, EngineError, machine_report, prefill_report
+        from engine.batch_cost import quick_surface
 
         try:
             with Engine(args.model, prefix_cache=False) as engine:
                 roof = {"model": engine.model_path, **engine.call(machine_report)}
+                # what `serve --max-batch auto` uses: cached, else measured now (and cached)
+                surface = engine.call(quick_surface)
                 if not args.no_prefill and "advice" not in info:  # on a slow BLAS: fix that first
                     sizes = tuple(sorted(set((8192, 32768) + full)))
                     prefill = engine.call(lambda t: prefill_report(t, sizes, engine.prefill_chunk, full))
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
             problem = str(e)
     if args.json:
         print(json.dumps({**info, "roofline": roof, "prefill": prefill,
+                          "batch_surface": surface.describe() if surface else None,
                           **({"roofline_error": problem} if problem else {})}, indent=2))
         return 0
     for key, value in info.items():
@@ -71,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{'rollback':>14}: {roof['rollback']} (recurrent layers take back a draft by per-position "
                   f"state capture or a replay; verify cost with half taken back: {costs})")
         print(f"{'curve':>14}: {roof['curve']}")
+    if surface:
+        from .tune import surface_lines
+
+        print()
+        print("\n".join(surface_lines(surface)))
     if prefill:
         print(f"\ncold prefill, {prefill['chunk']}-token chunks; float32 matmul: numpy's BLAS "
               f"{prefill['numpy_gflops']} GFLOP/s, MLX's {prefill['mlx_gflops']} GFLOP/s (measured now)")

@@ -10,7 +10,7 @@ from .models import add_models_dir_arg
 
 def add_parser(sub) -> None:
     from agent_bridge.job_stream import DEFAULT_MAX_QUEUE
-    from agent_bridge.server import DEFAULT_HOST, DEFAULT_MAX_BATCH, DEFAULT_MAX_TOKENS, DEFAULT_PORT
+    from agent_bridge.server import DEFAULT_HOST, DEFAULT_MAX_TOKENS, DEFAULT_PORT
 
     p = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Responses APIs")
     add_engine_args(p)
@@ -26,8 +26,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: the model directory's)")
     p.add_argument("--root", default=None, help="workspace root for the MCP tools at /mcp (default: current directory)")
     p.add_argument("--no-mcp", action="store_true", help="don't serve MCP (streamable HTTP) at /mcp")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                   help=f"requests the engine works on at once, a step each in turn (default {DEFAULT_MAX_BATCH})")
+    p.add_argument("--max-batch", default="auto", metavar="N|auto",
+                   help="requests the engine works on at once, their verify forwards batched (default auto: "
+                        "the largest batch that still gains throughput on this machine, from its measured "
+                        "batch cost surface; measured once per model, `doctor` prints it)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests past which new ones get 429/529 (default {DEFAULT_MAX_QUEUE})")
     add_max_edit_hunks(p)
@@ -63,8 +65,13 @@ def run(args: argparse.Namespace) -> int:
                            "write files: set --api-key KEY (or --insecure to serve it open anyway)")
     if args.default_max_tokens < 1:
         raise CommandError("--default-max-tokens must be >= 1")
-    if args.max_batch < 1 or args.max_queue < 0:
-        raise CommandError("--max-batch must be >= 1 and --max-queue >= 0")
+    if args.max_batch != "auto":
+        try:
+            args.max_batch = int(args.max_batch)
+        except ValueError:
+            raise CommandError(f"--max-batch takes a whole number or 'auto', not {args.max_batch!r}") from None
+    if (args.max_batch != "auto" and args.max_batch < 1) or args.max_queue < 0:
+        raise CommandError("--max-batch must be >= 1 (or auto) and --max-queue >= 0")
     if args.max_edit_hunks < 1:
         raise CommandError("--max-edit-hunks must be >= 1")
     if args.max_models < 1:
@@ -75,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     with engine_from_args(args, persistent=True) as engine:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
-              f"(context {engine.context_window} tokens{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
+              f"(context {engine.context_window} tokens, max batch {engine.max_batch}"
+              f"{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
         from agent_bridge.model_registry import EngineHandle
 
         handle = EngineHandle(engine)  # the MCP tools follow a model switch

@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from agent_bridge.cli import CommandError
-    from engine import Engine, best_draft_cap, curve_key, load_cost_curve, tune, tune_prefill
+    from engine import Engine, best_draft_cap, curve_key, load_cost_curve, tune, tune_batch, tune_prefill
 
     kwargs = {}
     if args.depths:
@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
             cached = engine.call(lambda t: load_cost_curve(curve_key(t, args.kv_bits)))
             curve = engine.call(lambda t: tune(t, args.kv_bits, refresh=args.refresh, **kwargs,
                                                on_progress=lambda what, i, n: _progress(f"measuring {what} ({i}/{n})")))
+            surface = engine.call(lambda t: tune_batch(
+                t, args.kv_bits, refresh=args.refresh,
+                on_progress=lambda what, i, n: _progress(f"measuring batch cost surface: {what} ({i}/{n})")))
             prefill = None
             if not args.no_prefill:
                 _progress("measuring the prefill chunk and the CPU attention crossover")
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _end_progress()
     if args.json:
-        print(json.dumps({**curve.to_dict(), "prefill": prefill}, indent=1))
+        print(json.dumps({**curve.to_dict(), "batch_surface": {**surface.to_dict(), **surface.describe()},
+                          "prefill": prefill}, indent=1))
         return 0
     fresh = cached is None or args.refresh
     print(f"verify cost curve for {engine.model_path} ({'measured now' if fresh else 'cached'}, "
@@ -77,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     cap, gain = best_draft_cap(curve, args.acceptance, depth=curve.depths[0])
     print(f"static draft cap for acceptance {args.acceptance:.2f}: {cap} (expected {gain:.2f}x); "
           "--max-draft auto adapts it per round")
+    print("\n".join(surface_lines(surface)))
     if prefill:
         chunk, attn = prefill["chunk"], prefill["attention"]
         times = ", ".join(f"{c}: {s:.2f}s" for c, s in chunk["seconds"].items())
@@ -86,3 +91,22 @@ def run(args: argparse.Namespace) -> int:
             times = ", ".join(f"{k}: {m:.3f}/{o:.3f}s" for k, m, o in attn["timings"])
             print(f"CPU blockwise attention: {where} (keys: MLX/blockwise for one {512}-query chunk: {times})")
     return 0
+
+
+def surface_lines(surface) -> list[str]:
+    """The batch cost surface as text: ms per batched forward, the saving against running the
+    sequences alone, and what follows (the widest batched forward, --max-batch auto)."""
+    d = surface.describe()
+    if not d["measured"]:
+        return [f"batch cost surface: not measured (`mlx-dspark tune` measures it); defaults: max batch "
+                f"{d['max_batch']}, forwards up to {d['max_batched_width']} tokens wide batched"]
+    lines = [f"batch cost surface ({surface.depth} tokens of context per sequence; ms per forward, "
+             f"saving against the sequences one after another):",
+             "batch   " + "".join(f"{'w' + str(w):>16}" for w in surface.widths)]
+    for b in surface.batches:
+        cells = "".join(f"{d['forward_ms'][str(b)][str(w)]:9.1f}" + (
+            f" ({d['saving'][str(b)][str(w)]:+.0%})" if b > 1 else "").ljust(7) for w in surface.widths)
+        lines.append(f"{b:<8}{cells}")
+    lines.append(f"max batch (auto): {d['max_batch']}; verify forwards up to {d['max_batched_width']} tokens "
+                 "wide are batched, wider ones run alone")
+    return lines

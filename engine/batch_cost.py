@@ -1,0 +1,290 @@
+"""The batch cost surface: what one verify forward of b sequences, each w tokens wide, costs here.
+
+Measured through the scheduler's own batched forward (engine/batch_verify.py: the
+sequences' caches merged, one forward, each cache cut back out), so the per-round copy of
+each sequence's KV is in the price. Cached as JSON beside the width curve, under the same
+key (engine/cost_curve.py). Three readers:
+
+- the draft controller, while several sequences decode: what a draft costs relative to a
+  plain step *in a batch of b* (`factor`; engine/draft_control.py);
+- the scheduler: which forwards to batch (`max_batched_width`, then the cheapest split:
+  engine/batch_verify.py `choose_batch`);
+- `--max-batch auto`: the largest batch whose aggregate throughput still gains (`best_max_batch`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .cost_curve import cache_dir, curve_key, curve_path
+
+BATCHES = (1, 2, 4, 8)
+WIDTHS = (1, 2, 4, 8, 16, 32)
+DEPTH = 1024  # context per sequence; the KV copy of a batched round grows with it
+REPEATS = 3
+# What `--max-batch auto` and `doctor` measure when nothing is cached (seconds on a CPU);
+# `mlx-dspark tune` measures the full grid.
+QUICK = dict(widths=(1, 2, 4, 8, 16), depth=512, repeats=2)
+BATCHING_MARGIN = 0.10  # batching a width must save a tenth of the forward-seconds (median over batch sizes)
+BATCH_GAIN = 0.15  # a larger batch must raise aggregate tokens per second by 15% to be worth its latency
+SHORT_DRAFT_WIDTH = 8  # `best_max_batch` judges by widths up to this: short drafts, where batching pays most
+# Unmeasured (or nothing batched): what the CPU runs of issue 14 chose (scripts/bench_concurrency.py).
+DEFAULT_MAX_BATCHED_WIDTH = 8
+DEFAULT_MAX_BATCH = 4
+
+
+def surface_path(key: dict):
+    """Beside the width curve of the same key: cost-batch-<digest>.json."""
+    return cache_dir() / curve_path(key).name.replace("cost-curve-", "cost-batch-")
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    x = max(xs[0], min(x, xs[-1]))
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    return ys[0]
+
+
+@dataclass
+class BatchSurface:
+    """Seconds of one batched verify forward, per batch size (rows) and width (columns)."""
+
+    batches: list[int]
+    widths: list[int]
+    seconds: list[list[float]]
+    depth: int = DEPTH
+    key: dict = field(default_factory=dict)
+    measured: bool = True  # False: the default (no numbers: batching as issue 14's CPU runs chose)
+    measured_at: str = ""
+    measure_s: float = 0.0
+
+    @classmethod
+    def default(cls, key: dict | None = None) -> "BatchSurface":
+        return cls([1], [1], [[1.0]], key=dict(key or {}), measured=False)
+
+    def step_seconds(self, batch: int, width: int) -> float:
+        """Interpolated seconds of a forward over `batch` sequences of `width` tokens each."""
+        column = [_interp(self.widths, row, width) for row in self.seconds]
+        return _interp(self.batches, column, batch)
+
+    def factor(self, batch: int, width: int) -> float:
+        """How much dearer a width-w forward is, relative to a plain step, among b decoding
+        sequences than alone. Alone it costs S(1,w)/S(1,1) plain steps; in the batch a plain
+        step costs S(b,1)/b, and a width-w forward S(b,w)/b if it is batched, else (wider than
+        `max_batched_width`) S(1,w), run alone (a plain step too, where none batch). 1 for batch
+        1 (or unmeasured)."""
+        if batch <= 1 or not self.measured:
+            return 1.0
+        own = lambda w: (self.step_seconds(batch, w) if w <= self.max_batched_width()  # noqa: E731
+                         else batch * self.step_seconds(1, w))
+        return (own(width) / own(1)) / (self.step_seconds(1, width) / self.step_seconds(1, 1))
+
+    def saving(self, batch: int, width: int) -> float:
+        """The share of forward-seconds batching saves against running the b forwards alone."""
+        return 1.0 - self.step_seconds(batch, width) / (batch * self.step_seconds(1, width))
+
+    @functools.cached_property
+    def _widest(self) -> int:
+        larger = [b for b in self.batches if b > 1]
+        best = 0
+        for w in self.widths if larger else ():
+            # the median over batch sizes: one cell disturbed by other processes doesn't decide
+            if statistics.median(self.saving(b, w) for b in larger) < BATCHING_MARGIN:
+                break
+            best = w
+        return best
+
+    def max_batched_width(self) -> int:
+        """The widest measured width (and every narrower one) that batching saves `BATCHING_MARGIN`
+        for, the median over measured batch sizes (wider forwards run alone); 0 where even plain
+        steps don't gain."""
+        return self._widest if self.measured else DEFAULT_MAX_BATCHED_WIDTH
+
+    def best_max_batch(self, gain: float = BATCH_GAIN) -> int:
+        """The largest measured batch whose aggregate tokens per forward-second beats every
+        smaller batch chosen before it by `gain`, over the short drafts' widths (those up to
+        `SHORT_DRAFT_WIDTH` that are batched: where batching pays most). Where nothing is
+        batched, sequences still take turns a step each, at no cost in throughput (every
+        forward runs alone either way), so a short side request needn't wait for a long turn:
+        then the default."""
+        if not self.measured:
+            return DEFAULT_MAX_BATCH
+        widths = [w for w in self.widths if w <= min(SHORT_DRAFT_WIDTH, self.max_batched_width())]
+        if not widths:
+            return DEFAULT_MAX_BATCH
+        throughput = lambda b: b * len(widths) / sum(self.step_seconds(b, w) for w in widths)  # noqa: E731
+        best = self.batches[0]
+        for b in self.batches[1:]:
+            if throughput(b) >= throughput(best) * (1 + gain):
+                best = b
+        return best
+
+    def describe(self) -> dict:
+        """What the readers take from it, with the numbers: for `tune`, `doctor`, benchmarks."""
+        return {"measured": self.measured, "measured_at": self.measured_at, "depth": self.depth,
+                "max_batch": self.best_max_batch(), "max_batched_width": self.max_batched_width(),
+                "forward_ms": {str(b): {str(w): round(s * 1e3, 3) for w, s in zip(self.widths, row)}
+                               for b, row in zip(self.batches, self.seconds)} if self.measured else None,
+                "saving": {str(b): {str(w): round(self.saving(b, w), 3) for w in self.widths}
+                           for b in self.batches if b > 1} if self.measured else None}
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "batches": self.batches, "widths": self.widths, "seconds": self.seconds,
+                "depth": self.depth, "measured": self.measured, "measured_at": self.measured_at,
+                "measure_s": self.measure_s}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BatchSurface":
+        return cls(batches=[int(b) for b in d["batches"]], widths=[int(w) for w in d["widths"]],
+                   seconds=[[float(s) for s in row] for row in d["seconds"]], depth=int(d.get("depth", DEPTH)),
+                   key=dict(d.get("key") or {}), measured=bool(d.get("measured", True)),
+                   measured_at=str(d.get("measured_at", "")), measure_s=float(d.get("measure_s", 0.0)))
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def measure_batch_surface(
+    target,
+    batches: tuple[int, ...] | list[int] = BATCHES,
+    widths: tuple[int, ...] | list[int] = WIDTHS,
+    depth: int = DEPTH,
+    repeats: int = REPEATS,
+    key: dict | None = None,
+    kv_bits: int | None = None,
+    seed: int = 0,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> BatchSurface:
+    """Time the scheduler's batched forward for each batch size and width (median of
+    `repeats` whole sweeps), every sequence at `depth` tokens of random context. Where the
+    scheduler can't merge the caches (quantised, rotating, recurrent layers) only batch 1 is
+    measured: nothing is batched, so the surface says so (widest batched width 0, factor 1)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .batch_verify import Forward, batchable, run_forwards
+    from .kv_segments import fresh_cache
+    from .rollback import mark, take_back
+
+    batches = sorted(set(int(b) for b in batches))
+    widths = sorted(set(int(w) for w in widths))
+    if not batches or batches[0] != 1 or not widths or widths[0] != 1:
+        raise ValueError("batch surface batches and widths must include 1")
+    depth = max(1, min(int(depth), target.context_window - widths[-1] - 1))
+    rng = np.random.default_rng(seed)
+    t_start = time.perf_counter()
+    caches = []
+    while len(caches) < batches[-1]:
+        cache = fresh_cache(target, kv_bits)
+        context = rng.integers(0, target.vocab_size, size=depth).tolist()
+        for s in range(0, depth, 512):
+            target.forward(context[s:s + 512], cache)
+            mx.eval([c.state for c in cache])
+        caches.append(cache)
+        if not batchable(Forward([0], cache)):
+            batches = [1]
+    draws = {w: rng.integers(0, target.vocab_size, size=w).tolist() for w in widths}
+    passes = {(b, w): [] for b in batches for w in widths}
+    total, done = len(passes) * repeats, 0
+    for sweep in range(repeats + 1):  # sweep 0 warms every shape up
+        for b in batches:
+            for w in widths:
+                group = caches[:b]
+                before = [mark(c) for c in group]
+                forwards = [Forward(draws[w], c) for c in group]
+                t0 = time.perf_counter()
+                run_forwards(target, forwards)  # no surface: all of them in one batch
+                mx.eval([mx.argmax(f.result[0], axis=-1) for f in forwards])  # what the verify loop reads
+                dt = time.perf_counter() - t0
+                for c, m in zip(group, before):
+                    take_back(c, m, w, 0, replay=None)
+                if sweep:
+                    passes[(b, w)].append(dt)
+                    done += 1
+                    if on_progress:
+                        on_progress(f"batch {b} width {w} pass {sweep}/{repeats}", done, total)
+    rows = []
+    for b in batches:
+        row = [statistics.median(passes[(b, w)]) for w in widths]
+        # Interference only ever adds time: a narrower pass slower than a wider one was disturbed.
+        for i in range(len(row) - 2, -1, -1):
+            row[i] = min(row[i], row[i + 1])
+        rows.append([round(s, 7) for s in row])
+    return BatchSurface(batches, widths, rows, depth=depth, key=dict(key or {}), measured=True,
+                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        measure_s=round(time.perf_counter() - t_start, 3))
+
+
+# -- the cache ----------------------------------------------------------------------------------
+
+
+def load_batch_surface(key: dict) -> BatchSurface | None:
+    """The cached surface for exactly this key, or None."""
+    try:
+        surface = BatchSurface.from_dict(json.loads(surface_path(key).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return surface if surface.key == key and surface.measured else None
+
+
+def save_batch_surface(surface: BatchSurface):
+    path = surface_path(surface.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(surface.to_dict(), indent=1))
+    os.replace(tmp, path)  # readers never see half a file
+    _memo.clear()
+    return path
+
+
+def tune_batch(target, kv_bits: int | None = None, refresh: bool = False, **measure_kwargs) -> BatchSurface:
+    """The cached surface for this target and machine; measured (and cached) if absent or `refresh`."""
+    key = curve_key(target, kv_bits)
+    if not refresh:
+        cached = load_batch_surface(key)
+        if cached is not None:
+            return cached
+    surface = measure_batch_surface(target, key=key, kv_bits=kv_bits, **measure_kwargs)
+    save_batch_surface(surface)
+    return surface
+
+
+def quick_surface(target, kv_bits: int | None = None) -> BatchSurface:
+    """The cached surface, else a quick one measured now and cached; on a slow reference BLAS
+    (minutes to measure, and `doctor` says to fix that first) the default."""
+    from .platform import slow_blas_warning
+
+    cached = load_batch_surface(curve_key(target, kv_bits))
+    if cached is not None:
+        return cached
+    if slow_blas_warning():
+        return BatchSurface.default(curve_key(target, kv_bits))
+    try:
+        return tune_batch(target, kv_bits, **QUICK)
+    except Exception as e:  # a model this can't drive must still serve: with the defaults
+        logging.getLogger(__name__).warning("batch cost surface not measured: %s: %s", type(e).__name__, e)
+        return BatchSurface.default(curve_key(target, kv_bits))
+
+
+_memo: dict[tuple, tuple] = {}  # (id(target), kv_bits) -> (weak ref to the target, surface)
+
+
+def surface_for(target, kv_bits: int | None = None) -> BatchSurface:
+    """The cached surface, else the default; looked up once per target (the scheduler asks
+    per round). Saving a surface forgets what was looked up."""
+    memo_key = (id(target), kv_bits)
+    held = _memo.get(memo_key)
+    if held is None or held[0]() is not target:
+        key = curve_key(target, kv_bits)
+        held = _memo[memo_key] = (weakref.ref(target), load_batch_surface(key) or BatchSurface.default(key))
+    return held[1]
