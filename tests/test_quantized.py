@@ -28,6 +28,13 @@ from tiny_models import WINDOW, build_family_model, build_tiny_model
 MAX_TOKENS = 32
 
 
+@pytest.fixture(autouse=True)
+def stay_quantized(monkeypatch):
+    """These tests are about quantised compute: a CPU would otherwise run these small models
+    on their dequantized weights (engine/target.py `dequantize_here`)."""
+    monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
+
+
 def quantise(src, dst, bits: int, mode: str = "affine"):
     from mlx_lm.convert import convert
 
@@ -102,3 +109,41 @@ def test_unmeasured_quantised_cpu_target_does_not_draft():
     assert DraftController(quantised, depth=100).cap == 0
     plain = CostCurve.default({"device": "cpu:x", "quantization": None})
     assert DraftController(plain, depth=100).cap > 0
+
+
+def test_small_quantized_model_runs_dequantized_on_cpu(tmp_path, monkeypatch):
+    """On a CPU a small quantised model runs on its dequantized weights (the same values,
+    BLAS speed): the target says so, its identity (cache keys) differs from the quantised
+    run's, and lookup decoding equals mlx-lm's greedy decoding of the dequantized model."""
+    from mlx_lm.utils import dequantize_model
+
+    from engine.target import load_target
+
+    path = quantise(build_tiny_model(tmp_path / "src", arch="qwen3", seed=2), tmp_path / "q", 8)
+    monkeypatch.delenv("MLX_DSPARK_DEQUANTIZE")
+    plain = load_target(path)
+    assert plain.config["dequantized_from"]["bits"] == 8 and "quantization" not in plain.config
+    assert not any(v.dtype == mx.uint32 for _, v in tree_flatten(plain.model.parameters()))
+    assert load_target(path, dequantize=False).identity != plain.identity
+    monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
+    assert load_target(path).config["quantization"]["bits"] == 8
+    monkeypatch.delenv("MLX_DSPARK_DEQUANTIZE")
+
+    with Engine(str(path)) as engine:
+        def reference(_target):
+            model, tokenizer = mlx_lm_load(str(path))
+            model = dequantize_model(model)
+            model.set_dtype(mx.float32)
+            out = []
+            for tok, _ in generate_step(mx.array(prompt, dtype=mx.uint32), model, max_tokens=MAX_TOKENS,
+                                        sampler=make_sampler(temp=0.0), stream=engine_stream()):
+                if tok in tokenizer.eos_token_ids:
+                    break
+                out.append(int(tok))
+            return out
+
+        rng = random.Random(5)
+        prompt = [rng.randrange(engine.target.vocab_size) for _ in range(20)]
+        ref = engine.call(reference)
+        ids, _ = lookup_ids(engine, prompt, 16, [prompt + ref], max_tokens=MAX_TOKENS)
+        assert ids == ref
