@@ -141,10 +141,31 @@ def attention(
     return out
 
 
+_kernel = None
+
+
+def _fused_softmax():
+    """softmax_tile.c's step (max, exp and sum in one pass), or None: numpy's passes."""
+    global _kernel
+    if _kernel is None:
+        import ctypes
+
+        from . import native
+
+        lib = native.load("softmax_tile")
+        if lib is None:
+            _kernel = False
+        else:
+            _kernel = lib.softmax_tile
+            _kernel.restype = None
+            _kernel.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 4]
+    return _kernel or None
+
+
 def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
     """One kv head's `rep` query heads at positions p0..p1, over every key it may see."""
     n_pos, D = p1 - p0, q.shape[-1]
-    rows = n_pos * rep
+    rows, dv = n_pos * rep, v.shape[-1]
     # Rows ordered position-major (row = pos * rep + head): one mask per position serves
     # every head of the group, and the group's heads share each K/V block's matmul.
     qb = q[b, h * rep : (h + 1) * rep, p0:p1, :].transpose(1, 0, 2).reshape(rows, D) * scale
@@ -152,19 +173,40 @@ def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
     last_key = offset + p1 if causal else kk.shape[0]  # keys past it are masked for every row
     m = np.full(rows, -np.inf, dtype=np.float32)  # running max of each row's scores
     s = np.zeros(rows, dtype=np.float32)  # running sum of exp(score - m)
-    acc = np.zeros((rows, vv.shape[-1]), dtype=np.float32)
-    row_pos = None
+    acc = np.zeros((rows, dv), dtype=np.float32)
     tile = np.empty((rows, key_block), dtype=np.float32)
-    new_m = np.empty(rows, dtype=np.float32)
-    corr = np.empty(rows, dtype=np.float32)
+    fused = _fused_softmax()
+    if fused:
+        ptrs = tile.ctypes.data, m.ctypes.data, s.ctypes.data, acc.ctypes.data
+    else:
+        step = _NumpySoftmax(rows, rep, offset + p0)
     for k0 in range(0, last_key, key_block):
         k1 = min(k0 + key_block, last_key)
         sc = tile[:, : k1 - k0]
         np.matmul(qb, kk[k0:k1].T, out=sc)
-        if causal and k1 - 1 > offset + p0:  # the tile crosses the diagonal
-            if row_pos is None:
-                row_pos = np.repeat(np.arange(offset + p0, offset + p1), rep)[:, None]
-            sc[np.arange(k0, k1)[None, :] > row_pos] = -np.inf
+        if fused:  # row r sees keys up to offset + p0 + r // rep: columns below that + 1
+            first = offset + p0 - k0 if causal else k1 - k0
+            fused(ptrs[0], rows, k1 - k0, key_block, ptrs[1], ptrs[2], ptrs[3], dv, dv, first, rep)
+        else:
+            m = step(sc, m, s, acc, k0, k1, causal)
+        acc += sc @ vv[k0:k1]
+    acc /= s[:, None]
+    out[b, h * rep : (h + 1) * rep, p0:p1, :] = acc.reshape(n_pos, rep, -1).transpose(1, 0, 2)
+
+
+class _NumpySoftmax:
+    """The online softmax's step in numpy passes (where softmax_tile.c can't be compiled)."""
+
+    def __init__(self, rows, rep, first_pos):
+        self.row_pos = np.repeat(np.arange(first_pos, first_pos + rows // rep), rep)[:, None]
+        self.new_m = np.empty(rows, dtype=np.float32)
+        self.corr = np.empty(rows, dtype=np.float32)
+
+    def __call__(self, sc, m, s, acc, k0, k1, causal):
+        """Turns the tile into exp(score - new max), rescales s and acc; returns the new max."""
+        new_m, corr = self.new_m, self.corr
+        if causal and k1 - 1 > self.row_pos[0, 0]:  # the tile crosses the diagonal
+            sc[np.arange(k0, k1)[None, :] > self.row_pos] = -np.inf
         # The first tile always holds key 0, which every row sees: m is finite from then on.
         np.maximum(m, sc.max(axis=1), out=new_m)
         np.subtract(m, new_m, out=corr)
@@ -174,10 +216,8 @@ def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
         s *= corr
         s += sc.sum(axis=1)
         acc *= corr[:, None]
-        acc += sc @ vv[k0:k1]
-        m, new_m = new_m, m
-    acc /= s[:, None]
-    out[b, h * rep : (h + 1) * rep, p0:p1, :] = acc.reshape(n_pos, rep, -1).transpose(1, 0, 2)
+        self.new_m = m
+        return new_m
 
 
 # -- routing mx.fast.scaled_dot_product_attention ----------------------------------------

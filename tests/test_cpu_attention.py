@@ -14,7 +14,24 @@ from mlx_lm.sample_utils import make_sampler
 
 from engine import Engine, GenerationRequest, cpu_attention
 from engine import attention_tune as tune_mod
+from engine import native
 from tiny_models import build_tiny_model
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def softmax_step(request, monkeypatch):
+    """Both ways of the online softmax's step: softmax_tile.c, and numpy's passes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(cpu_attention, "_kernel", False)
+    elif cpu_attention._fused_softmax() is None:
+        pytest.skip("no C compiler here")
+    return request.param
+
+
+def test_softmax_kernel_compiles_where_a_compiler_is():
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    assert cpu_attention._fused_softmax() is not None
 
 
 def mlx_sdpa(q, k, v, scale, mask):
@@ -30,15 +47,32 @@ def mlx_sdpa(q, k, v, scale, mask):
     (8, 1, 70, 5000, 8),      # many heads on one kv head, many key blocks
 ])
 @pytest.mark.parametrize("mask", ["causal", None])
-def test_kernel_equals_mlx(hq, hkv, L, S, d, mask):
+@pytest.mark.parametrize("spread", [2, 20])  # 20: most exps underflow, as in peaked attention
+def test_kernel_equals_mlx(hq, hkv, L, S, d, mask, spread, softmax_step):
     rng = np.random.default_rng(hq * L + S)
     q = rng.standard_normal((2, hq, L, d), dtype=np.float32)
-    k = rng.standard_normal((2, hkv, S, d), dtype=np.float32) * 2
+    k = rng.standard_normal((2, hkv, S, d), dtype=np.float32) * spread
     v = rng.standard_normal((2, hkv, S, d), dtype=np.float32)
     ref = mlx_sdpa(q, k, v, d**-0.5, mask)
+    exact = attention_f64(q, k, v, d**-0.5, mask)
     for threads in (1, 2):
         out = cpu_attention.attention(q, k, v, d**-0.5, causal=mask is not None, threads=threads)
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+        if spread == 2:
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+        else:  # peaked: scores of +-100 leave float32 rounding visible; as near the truth as MLX
+            assert np.abs(out - exact).max() <= 2 * np.abs(ref - exact).max() + 1e-6
+
+
+def attention_f64(q, k, v, scale, mask):
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale
+    if mask is not None:
+        L, S = scores.shape[-2:]
+        scores[..., np.arange(S)[None, :] > np.arange(S - L, S)[:, None]] = -np.inf
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
 
 
 @pytest.fixture
