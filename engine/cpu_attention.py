@@ -247,6 +247,20 @@ def disabled():
         _state.off = old
 
 
+@contextlib.contextmanager
+def last_call_unread(calls: int | None):
+    """Inside this block (on this thread) a forward whose last attention output nobody reads:
+    a prefill chunk that only fills KV caches. MLX never evaluates that output (its graph is
+    dropped), but this path computes eagerly, so the forward's `calls`-th attention call goes
+    to MLX's kernel, lazily, and costs nothing. `calls` None: every call as usual."""
+    old = getattr(_state, "unread", None)
+    _state.unread = [0, calls] if calls else None
+    try:
+        yield
+    finally:
+        _state.unread = old
+
+
 def handles(queries, keys, mask, sinks) -> bool:
     """Whether this path should take these arguments: it computes them exactly (up to
     float32 rounding) and the chunk is above the crossover."""
@@ -265,7 +279,11 @@ def handles(queries, keys, mask, sinks) -> bool:
 
 
 def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **kwargs):
-    if args or kwargs or scale is None or not handles(queries, keys, mask, sinks):
+    unread = getattr(_state, "unread", None)
+    if unread is not None:
+        unread[0] += 1
+        last = unread[0] == unread[1]
+    if args or kwargs or scale is None or (unread is not None and last) or not handles(queries, keys, mask, sinks):
         return _original(queries, keys, values, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
     import mlx.core as mx
 

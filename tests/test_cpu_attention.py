@@ -209,3 +209,28 @@ def test_crossover_cache_is_keyed(tiny_model_dir, tmp_path, monkeypatch):
     data["key"]["mlx"] = "0.0"
     path.write_text(json.dumps(data))
     assert not tune_mod.crossover_for(target).measured
+
+
+def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed):
+    """A cache-filling chunk computes every layer's attention but the last (whose output nothing
+    reads, so MLX never evaluates it), and the cache it leaves equals a full forward's."""
+    from engine import load_target
+    from engine.verify import prefill
+
+    target = load_target(tiny_model_dir)
+    cpu_attention.set_crossover(0)  # load_target installed the default crossover
+    ids = np.random.default_rng(1).integers(0, target.vocab_size, size=300).tolist()
+    layers = len(target.make_cache())
+    ref = target.make_cache()
+    with cpu_attention.disabled():
+        mx.eval(target.forward(ids, ref))
+    cache = target.make_cache()
+    prefill(target, cache, ids, chunk_size=150)
+    assert len(routed) == 2 * (layers - 1)
+    for a, b in zip(cache, ref):
+        assert a.offset == b.offset == 300
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            np.testing.assert_allclose(np.array(x[..., :300, :]), np.array(y[..., :300, :]), rtol=1e-4, atol=1e-4)
+    routed.clear()
+    mx.eval(target.forward(ids[:100], target.make_cache()))  # a forward whose outputs are read
+    assert len(routed) == layers

@@ -1,0 +1,126 @@
+"""Where a long cold prefill's time goes on CPU: attention kernel, the rest of the forward, at depth.
+
+    python scripts/profile_prefill.py [--model DIR] [--chunk 1024] [--depths 0,8192,16384,31744]
+
+For each depth, one prefill chunk runs over a KV cache filled with that many random keys and
+values (as `doctor`'s prediction does), with the blockwise attention (`engine/cpu_attention.py`)
+timed inside the forward. Printed per depth: the chunk's wall time; the attention kernel's share
+against its FLOPs at the BLAS rate that `doctor` uses; the rest (MLX: weight matmuls, norms, rope,
+MLP, logits, cache writes) against the weights' FLOPs at that rate. Then the attention kernel's
+own parts (QK^T matmul, softmax step, PV matmul) for one kv head's tile row, in CPU seconds per
+score. Run it with OpenBLAS preloaded (as scripts/test.sh does, or through `mlx-dspark`), at low
+load: the load average is printed with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def chunk_profile(target, depth: int, chunk: int, calls, rate: float) -> dict:
+    from engine import cpu_attention
+    from engine.prefill_estimate import matmul_params, time_chunk_at
+
+    spent = []
+    real = cpu_attention.attention
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        out = real(*a, **kw)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    ids = np.random.default_rng(depth).integers(0, target.vocab_size, size=chunk).tolist()
+    cpu_attention.attention = timed
+    try:
+        total = time_chunk_at(target, depth, ids, calls)
+    finally:
+        cpu_attention.attention = real
+    pairs = chunk * depth + chunk * (chunk + 1) / 2
+    attn_flops = sum(2.0 * hq * (dk + dv) * pairs for hq, _, dk, dv in calls)
+    weight_flops = 2.0 * matmul_params(target) * chunk
+    attention = sum(spent)
+    return {"depth": depth, "total_s": total, "attention_s": attention, "routed_calls": len(spent),
+            "attention_estimate_s": attn_flops / rate / 1e9, "rest_s": total - attention,
+            "rest_estimate_s": weight_flops / rate / 1e9}
+
+
+def kernel_parts(hq: int, hkv: int, d: int, keys: int = 16384) -> dict:
+    """CPU ns per score of the tile loop's parts, one thread (as each worker runs them)."""
+    from engine import cpu_attention
+
+    rep = hq // hkv
+    rows = max(1, cpu_attention.QUERY_ROWS // rep) * rep
+    kb = cpu_attention.KEY_BLOCK
+    rng = np.random.default_rng(0)
+    qb = rng.standard_normal((rows, d), dtype=np.float32) * d**-0.5
+    kk = rng.standard_normal((keys, d), dtype=np.float32)
+    vv = rng.standard_normal((keys, d), dtype=np.float32)
+    m, s = np.full(rows, -np.inf, np.float32), np.zeros(rows, np.float32)
+    acc, tile = np.zeros((rows, d), np.float32), np.empty((rows, kb), np.float32)
+    fused = cpu_attention._fused_softmax()
+    step = None if fused else cpu_attention._NumpySoftmax(rows, rep, keys)
+    parts = {"qk_matmul": 0.0, "softmax_step": 0.0, "pv_matmul": 0.0}
+    with cpu_attention._one_blas_thread():
+        for k0 in range(0, keys, kb):
+            t0 = time.process_time()
+            np.matmul(qb, kk[k0:k0 + kb].T, out=tile)
+            t1 = time.process_time()
+            if fused:
+                fused(tile.ctypes.data, rows, kb, kb, m.ctypes.data, s.ctypes.data, acc.ctypes.data, d, d, kb, rep)
+            else:
+                m = step(tile, m, s, acc, k0, k0 + kb, False)
+            t2 = time.process_time()
+            acc += tile @ vv[k0:k0 + kb]
+            t3 = time.process_time()
+            parts["qk_matmul"] += t1 - t0
+            parts["softmax_step"] += t2 - t1
+            parts["pv_matmul"] += t3 - t2
+    scores = rows * keys
+    out = {k: round(v / scores * 1e9, 3) for k, v in parts.items()}
+    out["kernel"] = "compiled" if fused else "numpy"
+    out["matmul_gflops_one_thread"] = round(4.0 * d * scores / (parts["qk_matmul"] + parts["pv_matmul"]) / 1e9, 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--chunk", type=int, default=None, help="default: the engine's measured chunk")
+    ap.add_argument("--depths", default="0,8192,16384,31744")
+    args = ap.parse_args()
+
+    from engine import load_target
+    from engine.attention_tune import attention_calls
+    from engine.models import default_model_path
+    from engine.platform import loaded_blas
+    from engine.prefill_chunk import chunk_for
+    from engine.prefill_estimate import blas_rates
+
+    target = load_target(args.model or default_model_path())
+    chunk = args.chunk or chunk_for(target)
+    calls = attention_calls(target)
+    rates = blas_rates()
+    rate = max(rates["numpy_gflops"], rates["mlx_gflops"])
+    print(f"model {target.path}; chunk {chunk}; MLX on {loaded_blas()}; BLAS rate {rate} GFLOP/s "
+          f"(numpy {rates['numpy_gflops']}, MLX {rates['mlx_gflops']}); load {os.getloadavg()[0]:.2f}")
+    print("| depth | chunk | attention (estimate) | rest of forward (estimate) | load |\n|---|---|---|---|---|")
+    for depth in (int(x) for x in args.depths.split(",")):
+        r = chunk_profile(target, depth, chunk, calls, rate)
+        print(f"| {depth} | {r['total_s']:.2f} s | {r['attention_s']:.2f} s ({r['attention_estimate_s']:.2f} s, "
+              f"{r['routed_calls']} calls) | {r['rest_s']:.2f} s ({r['rest_estimate_s']:.2f} s) "
+              f"| {os.getloadavg()[0]:.2f} |", flush=True)
+    hq, hkv, dk, _ = max(calls, key=lambda c: c[0] * c[2])
+    print(f"attention tile loop, ns of one core per score: {kernel_parts(hq, hkv, dk)} (load {os.getloadavg()[0]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
