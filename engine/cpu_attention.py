@@ -145,14 +145,14 @@ _kernel = None
 
 
 def _fused_softmax():
-    """softmax_tile.c's step (max, exp and sum in one pass), or None: numpy's passes."""
+    """cpu_kernels.c's softmax step (max, exp and sum in two passes), or None: numpy's passes."""
     global _kernel
     if _kernel is None:
         import ctypes
 
         from . import native
 
-        lib = native.load("softmax_tile")
+        lib = native.load("cpu_kernels")
         if lib is None:
             _kernel = False
         else:
@@ -195,7 +195,7 @@ def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
 
 
 class _NumpySoftmax:
-    """The online softmax's step in numpy passes (where softmax_tile.c can't be compiled)."""
+    """The online softmax's step in numpy passes (where cpu_kernels.c can't be compiled)."""
 
     def __init__(self, rows, rep, first_pos):
         self.row_pos = np.repeat(np.arange(first_pos, first_pos + rows // rep), rep)[:, None]

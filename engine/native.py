@@ -1,6 +1,6 @@
 """Small C kernels beside this file, compiled at first use with the system's C compiler.
 
-numpy has no fused or fast float32 exp on every CPU (see softmax_tile.c), and the package
+numpy has no fused or fast float32 exp on every CPU (see cpu_kernels.c), and the package
 stays pure Python: a kernel is compiled once per (source, compiler, CPU) into the cache
 folder (an atomic rename, so concurrent processes agree) and loaded with ctypes, whose
 calls release the GIL. Where no compiler works, `load` returns None and callers use
@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-funroll-loops", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 

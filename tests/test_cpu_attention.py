@@ -20,7 +20,7 @@ from tiny_models import build_tiny_model
 
 @pytest.fixture(params=["compiled", "numpy"])
 def softmax_step(request, monkeypatch):
-    """Both ways of the online softmax's step: softmax_tile.c, and numpy's passes."""
+    """Both ways of the online softmax's step: cpu_kernels.c, and numpy's passes."""
     if request.param == "numpy":
         monkeypatch.setattr(cpu_attention, "_kernel", False)
     elif cpu_attention._fused_softmax() is None:

@@ -1,11 +1,11 @@
-/* One step of the online softmax over a score tile, in one pass per row (cpu_attention.py).
+/* CPU prefill kernels that need a fast float32 exp: the online softmax step of the blockwise
+   attention (cpu_attention.py) and SwiGLU (cpu_swiglu.py).
 
    numpy's float32 exp runs at about 6 cycles an element here (no SIMD path on AVX2), as
-   slow as the tile's two matmuls, and the max, subtract, exp and sum of an online softmax
-   are four more passes over the tile. This does them in two passes (max, then exp and sum)
-   with an 8-wide exp (Cephes' expf: range reduction by ln 2 and a degree-6 polynomial,
-   about 1 ulp), written with GCC/Clang vector types so it compiles to AVX2 or NEON.
-   Compiled at first use by engine/native.py; the numpy path stays as the fallback. */
+   slow as an attention tile's two matmuls, and MLX's CPU exp and sigmoid are slower still.
+   Both kernels use an 8-wide exp (Cephes' expf: range reduction by ln 2 and a degree-6
+   polynomial, about 1 ulp), written with GCC/Clang vector types so it compiles to AVX2 or
+   NEON. Compiled at first use by engine/native.py; callers keep their own fallback. */
 
 #include <math.h>
 #include <stdint.h>
@@ -32,8 +32,8 @@ static inline v8f vmax(v8f a, v8f b) { return select8(a > b, a, b); }
 
 static inline v8f vmin(v8f a, v8f b) { return select8(a < b, a, b); }
 
-/* exp(x) for x <= 0 (scores minus their row's max): inputs below -87 give exp(-87),
-   about 1.6e-38, which adds nothing a row sum of at least 1 can see. */
+/* exp(x) with x clamped to [-87, 88]: below, exp(-87) is about 1.6e-38, which adds nothing
+   a softmax row sum of at least 1 (or 1 + exp in a sigmoid) can see; above, float32 overflows. */
 static inline v8f exp8(v8f x) {
     x = vmax(x, splat(-87.0f));
     x = vmin(x, splat(88.0f));
@@ -53,7 +53,9 @@ static inline v8f exp8(v8f x) {
     return p * scale;
 }
 
-/* s: rows x n scores (row stride ld). Row r may see its first
+/* The online softmax's step over one score tile, in two passes a row (max, then exp and sum)
+   where numpy takes six.
+   s: rows x n scores (row stride ld). Row r may see its first
    clamp(first_visible + r / rep + 1, 0, n) columns (the causal limit; pass first_visible >= n
    for none); the rest become 0. On return s holds exp(s - m_new), and for each row
    m = m_new (the running max), l = l * c + sum of the row, acc's row (dv wide, stride
@@ -102,5 +104,21 @@ void softmax_tile(float *s, int64_t rows, int64_t n, int64_t ld, float *m, float
             float *a = acc + r * ld_acc;
             for (int64_t j = 0; j < dv; j++) a[j] *= c;
         }
+    }
+}
+
+/* out = silu(gate) * x = gate * x / (1 + exp(-gate)), for n elements. */
+void swiglu(const float *gate, const float *x, float *out, int64_t n) {
+    int64_t full = n & ~(int64_t)7;
+    for (int64_t j = 0; j < full; j += 8) {
+        v8f g = load8(gate + j);
+        store8(out + j, g * load8(x + j) / (splat(1.0f) + exp8(-g)));
+    }
+    if (full < n) {
+        float g[8] = {0}, u[8] = {0};
+        memcpy(g, gate + full, (n - full) * sizeof(float));
+        memcpy(u, x + full, (n - full) * sizeof(float));
+        v8f r = load8(g) * load8(u) / (splat(1.0f) + exp8(-load8(g)));
+        memcpy(out + full, &r, (n - full) * sizeof(float));
     }
 }
