@@ -41,6 +41,14 @@ def _threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def _numpy_openblas_paths() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "openblas" in line and "numpy" in line})
+    except OSError:
+        return []
+
+
 def _numpy_openblas():
     """(get, set) of numpy's own OpenBLAS thread count, or None where it has none.
 
@@ -50,12 +58,7 @@ def _numpy_openblas():
     """
     import ctypes
 
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line and "numpy" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
+    for path in _numpy_openblas_paths():
         lib = ctypes.CDLL(path)
         for get, set_ in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
                           ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
@@ -144,22 +147,38 @@ def attention(
 _kernel = None
 
 
-def _fused_softmax():
-    """cpu_kernels.c's softmax step (max, exp and sum in two passes), or None: numpy's passes."""
+def _compiled():
+    """(cpu_kernels.c's attention_rows, the address of numpy's OpenBLAS sgemm) or None: the
+    work item in numpy passes. The C loop calls the same OpenBLAS numpy does, holds no GIL
+    (the two workers never wait on each other) and runs the softmax step in two passes."""
     global _kernel
     if _kernel is None:
         import ctypes
 
         from . import native
 
-        lib = native.load("cpu_kernels")
-        if lib is None:
+        lib, sgemm = native.load("cpu_kernels"), _numpy_sgemm64()
+        if lib is None or sgemm is None:
             _kernel = False
         else:
-            _kernel = lib.softmax_tile
-            _kernel.restype = None
-            _kernel.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 4]
+            fn = lib.attention_rows
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 2]
+            _kernel = fn, sgemm
     return _kernel or None
+
+
+def _numpy_sgemm64() -> int | None:
+    """Address of cblas_sgemm with 64-bit integers in numpy's bundled OpenBLAS, or None."""
+    import ctypes
+
+    for path in _numpy_openblas_paths():
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):
+            if hasattr(lib, name):
+                return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    return None
 
 
 def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
@@ -169,29 +188,33 @@ def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
     # Rows ordered position-major (row = pos * rep + head): one mask per position serves
     # every head of the group, and the group's heads share each K/V block's matmul.
     qb = q[b, h * rep : (h + 1) * rep, p0:p1, :].transpose(1, 0, 2).reshape(rows, D) * scale
-    kk, vv = k[b, h], v[b, h]
+    kk, vv = _unit_stride_rows(k[b, h]), _unit_stride_rows(v[b, h])
     last_key = offset + p1 if causal else kk.shape[0]  # keys past it are masked for every row
     m = np.full(rows, -np.inf, dtype=np.float32)  # running max of each row's scores
     s = np.zeros(rows, dtype=np.float32)  # running sum of exp(score - m)
     acc = np.zeros((rows, dv), dtype=np.float32)
     tile = np.empty((rows, key_block), dtype=np.float32)
-    fused = _fused_softmax()
-    if fused:
-        ptrs = tile.ctypes.data, m.ctypes.data, s.ctypes.data, acc.ctypes.data
+    compiled = _compiled()
+    if compiled:
+        fn, sgemm = compiled
+        fn(sgemm, qb.ctypes.data, rows, D, kk.ctypes.data, kk.strides[0] // 4, vv.ctypes.data, vv.strides[0] // 4,
+           dv, last_key, key_block, tile.ctypes.data, m.ctypes.data, s.ctypes.data, acc.ctypes.data,
+           offset + p0 if causal else -1, rep)
     else:
         step = _NumpySoftmax(rows, rep, offset + p0)
-    for k0 in range(0, last_key, key_block):
-        k1 = min(k0 + key_block, last_key)
-        sc = tile[:, : k1 - k0]
-        np.matmul(qb, kk[k0:k1].T, out=sc)
-        if fused:  # row r sees keys up to offset + p0 + r // rep: columns below that + 1
-            first = offset + p0 - k0 if causal else k1 - k0
-            fused(ptrs[0], rows, k1 - k0, key_block, ptrs[1], ptrs[2], ptrs[3], dv, dv, first, rep)
-        else:
+        for k0 in range(0, last_key, key_block):
+            k1 = min(k0 + key_block, last_key)
+            sc = tile[:, : k1 - k0]
+            np.matmul(qb, kk[k0:k1].T, out=sc)
             m = step(sc, m, s, acc, k0, k1, causal)
-        acc += sc @ vv[k0:k1]
+            acc += sc @ vv[k0:k1]
     acc /= s[:, None]
     out[b, h * rep : (h + 1) * rep, p0:p1, :] = acc.reshape(n_pos, rep, -1).transpose(1, 0, 2)
+
+
+def _unit_stride_rows(x: np.ndarray) -> np.ndarray:
+    """x (rows x cols) with its columns adjacent, as BLAS needs (a cache slice already is)."""
+    return x if x.strides[-1] == x.itemsize and x.strides[0] >= x.shape[-1] * x.itemsize else np.ascontiguousarray(x)
 
 
 class _NumpySoftmax:

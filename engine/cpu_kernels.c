@@ -122,3 +122,25 @@ void swiglu(const float *gate, const float *x, float *out, int64_t n) {
         memcpy(out + full, &r, (n - full) * sizeof(float));
     }
 }
+
+/* CBLAS sgemm with 64-bit integers (numpy's bundled OpenBLAS: scipy_cblas_sgemm64_). */
+typedef void (*sgemm64_fn)(int order, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                           const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                           int64_t ldc);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+/* One work item of the blockwise attention, all in C so the thread holds no GIL: `rows` query
+   rows q (rows x d, scaled, position-major over `rep` heads) against keys [0, last_key) of one
+   kv head (k: row stride ldk; v: dv wide, row stride ldv), key_block keys a tile. m, l and acc
+   (rows x dv) carry the online softmax; the caller divides acc by l. first_pos: the position
+   of row 0 under the causal mask (row r sees keys <= first_pos + r / rep), or < 0 for none. */
+void attention_rows(sgemm64_fn sgemm, const float *q, int64_t rows, int64_t d, const float *k, int64_t ldk,
+                    const float *v, int64_t ldv, int64_t dv, int64_t last_key, int64_t key_block, float *tile,
+                    float *m, float *l, float *acc, int64_t first_pos, int64_t rep) {
+    for (int64_t k0 = 0; k0 < last_key; k0 += key_block) {
+        int64_t n = last_key - k0 < key_block ? last_key - k0 : key_block;
+        sgemm(ROW_MAJOR, NO_TRANS, TRANS, rows, n, d, 1.0f, q, d, k + k0 * ldk, ldk, 0.0f, tile, key_block);
+        softmax_tile(tile, rows, n, key_block, m, l, acc, dv, dv, first_pos < 0 ? n : first_pos - k0, rep);
+        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, dv, n, 1.0f, tile, key_block, v + k0 * ldv, ldv, 1.0f, acc, dv);
+    }
+}

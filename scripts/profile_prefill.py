@@ -7,8 +7,8 @@ values (as `doctor`'s prediction does), with the blockwise attention (`engine/cp
 timed inside the forward. Printed per depth: the chunk's wall time; the attention kernel's share
 against its FLOPs at the BLAS rate that `doctor` uses; the rest (MLX: weight matmuls, norms, rope,
 MLP, logits, cache writes) against the weights' FLOPs at that rate. Then the attention kernel's
-own parts (QK^T matmul, softmax step, PV matmul) for one kv head's tile row, in CPU seconds per
-score. Run it with OpenBLAS preloaded (as scripts/test.sh does, or through `mlx-dspark`), at low
+work item (one kv head's query rows over 16k keys) against its two matmuls alone, in CPU ns
+per score. Run it with OpenBLAS preloaded (as scripts/test.sh does, or through `mlx-dspark`), at low
 load: the load average is printed with the numbers.
 """
 
@@ -54,41 +54,32 @@ def chunk_profile(target, depth: int, chunk: int, calls, rate: float) -> dict:
 
 
 def kernel_parts(hq: int, hkv: int, d: int, keys: int = 16384) -> dict:
-    """CPU ns per score of the tile loop's parts, one thread (as each worker runs them)."""
+    """CPU ns per score of one work item (one thread, as each worker runs it): the whole item
+    as the engine runs it, and its two matmuls alone in numpy; the difference is the softmax."""
     from engine import cpu_attention
 
     rep = hq // hkv
-    rows = max(1, cpu_attention.QUERY_ROWS // rep) * rep
-    kb = cpu_attention.KEY_BLOCK
+    positions = max(1, cpu_attention.QUERY_ROWS // rep)
     rng = np.random.default_rng(0)
-    qb = rng.standard_normal((rows, d), dtype=np.float32) * d**-0.5
-    kk = rng.standard_normal((keys, d), dtype=np.float32)
-    vv = rng.standard_normal((keys, d), dtype=np.float32)
-    m, s = np.full(rows, -np.inf, np.float32), np.zeros(rows, np.float32)
-    acc, tile = np.zeros((rows, d), np.float32), np.empty((rows, kb), np.float32)
-    fused = cpu_attention._fused_softmax()
-    step = None if fused else cpu_attention._NumpySoftmax(rows, rep, keys)
-    parts = {"qk_matmul": 0.0, "softmax_step": 0.0, "pv_matmul": 0.0}
+    q = rng.standard_normal((1, hq, positions, d), dtype=np.float32)
+    k = rng.standard_normal((1, hkv, keys, d), dtype=np.float32)
+    v = rng.standard_normal((1, hkv, keys, d), dtype=np.float32)
+    rows, kb = positions * rep, cpu_attention.KEY_BLOCK
+    out = np.empty((1, hq, positions, d), np.float32)
+    qb, tile = q[0, :rep].transpose(1, 0, 2).reshape(rows, d), np.empty((rows, kb), np.float32)
     with cpu_attention._one_blas_thread():
+        t0 = time.process_time()
+        cpu_attention._tile(q, k, v, out, 0, 0, rep, 0, positions, 0, False, d**-0.5, kb)
+        t1 = time.process_time()
         for k0 in range(0, keys, kb):
-            t0 = time.process_time()
-            np.matmul(qb, kk[k0:k0 + kb].T, out=tile)
-            t1 = time.process_time()
-            if fused:
-                fused(tile.ctypes.data, rows, kb, kb, m.ctypes.data, s.ctypes.data, acc.ctypes.data, d, d, kb, rep)
-            else:
-                m = step(tile, m, s, acc, k0, k0 + kb, False)
-            t2 = time.process_time()
-            acc += tile @ vv[k0:k0 + kb]
-            t3 = time.process_time()
-            parts["qk_matmul"] += t1 - t0
-            parts["softmax_step"] += t2 - t1
-            parts["pv_matmul"] += t3 - t2
+            np.matmul(qb, k[0, 0, k0:k0 + kb].T, out=tile)
+            tile @ v[0, 0, k0:k0 + kb]
+        t2 = time.process_time()
     scores = rows * keys
-    out = {k: round(v / scores * 1e9, 3) for k, v in parts.items()}
-    out["kernel"] = "compiled" if fused else "numpy"
-    out["matmul_gflops_one_thread"] = round(4.0 * d * scores / (parts["qk_matmul"] + parts["pv_matmul"]) / 1e9, 1)
-    return out
+    return {"kernel": "compiled" if cpu_attention._compiled() else "numpy",
+            "work_item_ns": round((t1 - t0) / scores * 1e9, 3), "matmuls_ns": round((t2 - t1) / scores * 1e9, 3),
+            "matmul_gflops_one_thread": round(4.0 * d * scores / (t2 - t1) / 1e9, 1),
+            "work_item_gflops_one_thread": round(4.0 * d * scores / (t1 - t0) / 1e9, 1)}
 
 
 def main() -> None:
