@@ -6,8 +6,10 @@ softmax on one core; at long depth it is an order of magnitude slower than its F
 Here each (query block, key block) pair is one BLAS matmul into a score tile of a
 few hundred KB, the softmax is carried online (running max and sum, flash-attention
 style), key blocks past the causal diagonal are skipped, and one thread per core
-takes (batch, kv head, query block) items: numpy's float32 matmuls and ufuncs release
-the GIL, so both cores stay busy.
+takes (batch, kv head, query block) items. An item's tile loop runs in C
+(`cpu_kernels.c`: numpy's own OpenBLAS sgemm for the two matmuls, the softmax step in
+two passes with a vectorised exp, no GIL held); where that can't be compiled, numpy's
+matmuls and ufuncs do the same steps (they release the GIL too).
 
 `install()` routes `mx.fast.scaled_dot_product_attention` here, which every mlx-lm
 family reaches (directly or through `mlx_lm.models.base.scaled_dot_product_attention`,
