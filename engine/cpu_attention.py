@@ -286,6 +286,13 @@ def last_call_unread(calls: int | None):
         _state.unread = old
 
 
+def in_unread_tail() -> bool:
+    """Whether this thread's forward is past its unread last attention call (`last_call_unread`):
+    nothing after it is read, so nothing after it may be computed eagerly either."""
+    unread = getattr(_state, "unread", None)
+    return unread is not None and unread[0] >= unread[1]
+
+
 def handles(queries, keys, mask, sinks) -> bool:
     """Whether this path should take these arguments: it computes them exactly (up to
     float32 rounding) and the chunk is above the crossover."""

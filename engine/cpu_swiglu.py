@@ -64,8 +64,8 @@ def swiglu(gate: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.nd
 def handles(gate, x) -> bool:
     import mlx.core as mx
 
-    if getattr(cpu_attention._state, "off", False):
-        return False
+    if getattr(cpu_attention._state, "off", False) or cpu_attention.in_unread_tail():
+        return False  # off; or in a layer whose output nothing reads: MLX's lazy graph skips it
     if gate.shape != x.shape or gate.ndim < 2 or gate.dtype != mx.float32 or x.dtype != mx.float32:
         return False
     if mx.default_device() != mx.cpu or _swiglu_kernel() is None:

@@ -27,30 +27,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def chunk_profile(target, depth: int, chunk: int, calls, rate: float) -> dict:
     from engine import cpu_attention
-    from engine.prefill_estimate import matmul_params, time_chunk_at
+    from engine.attention_tune import unread_last_call
+    from engine.prefill_estimate import prefill_params, time_chunk_at
 
-    spent = []
+    spent, cpu = [], []
     real = cpu_attention.attention
 
     def timed(*a, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = real(*a, **kw)
         spent.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         return out
 
     ids = np.random.default_rng(depth).integers(0, target.vocab_size, size=chunk).tolist()
     cpu_attention.attention = timed
     try:
+        c0 = time.process_time()
         total = time_chunk_at(target, depth, ids, calls)
+        total_cpu = time.process_time() - c0
     finally:
         cpu_attention.attention = real
     pairs = chunk * depth + chunk * (chunk + 1) / 2
-    attn_flops = sum(2.0 * hq * (dk + dv) * pairs for hq, _, dk, dv in calls)
-    weight_flops = 2.0 * matmul_params(target) * chunk
+    routed = calls[:-1] if unread_last_call(target, target.make_cache()) else calls
+    attn_flops = sum(2.0 * hq * (dk + dv) * pairs for hq, _, dk, dv in routed)
+    weight_flops = 2.0 * prefill_params(target) * chunk
     attention = sum(spent)
     return {"depth": depth, "total_s": total, "attention_s": attention, "routed_calls": len(spent),
             "attention_estimate_s": attn_flops / rate / 1e9, "rest_s": total - attention,
-            "rest_estimate_s": weight_flops / rate / 1e9}
+            "rest_estimate_s": weight_flops / rate / 1e9, "total_cpu_s": total_cpu, "attention_cpu_s": sum(cpu)}
 
 
 def kernel_parts(hq: int, hkv: int, d: int, keys: int = 16384) -> dict:
@@ -103,12 +108,13 @@ def main() -> None:
     rate = max(rates["numpy_gflops"], rates["mlx_gflops"])
     print(f"model {target.path}; chunk {chunk}; MLX on {loaded_blas()}; BLAS rate {rate} GFLOP/s "
           f"(numpy {rates['numpy_gflops']}, MLX {rates['mlx_gflops']}); load {os.getloadavg()[0]:.2f}")
-    print("| depth | chunk | attention (estimate) | rest of forward (estimate) | load |\n|---|---|---|---|---|")
+    print("| depth | chunk | attention (estimate) | rest of forward (estimate) | CPU s: chunk, attention | load |\n"
+          "|---|---|---|---|---|---|")
     for depth in (int(x) for x in args.depths.split(",")):
         r = chunk_profile(target, depth, chunk, calls, rate)
         print(f"| {depth} | {r['total_s']:.2f} s | {r['attention_s']:.2f} s ({r['attention_estimate_s']:.2f} s, "
               f"{r['routed_calls']} calls) | {r['rest_s']:.2f} s ({r['rest_estimate_s']:.2f} s) "
-              f"| {os.getloadavg()[0]:.2f} |", flush=True)
+              f"| {r['total_cpu_s']:.2f}, {r['attention_cpu_s']:.2f} | {os.getloadavg()[0]:.2f} |", flush=True)
     hq, hkv, dk, _ = max(calls, key=lambda c: c[0] * c[2])
     print(f"attention tile loop, ns of one core per score: {kernel_parts(hq, hkv, dk)} (load {os.getloadavg()[0]:.2f})")
 

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from engine import Engine, GenerationRequest, cpu_attention
+from engine import Engine, GenerationRequest, cpu_attention, cpu_swiglu
 from engine import attention_tune as tune_mod
 from engine import native
 from tiny_models import build_tiny_model
@@ -225,8 +225,16 @@ def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed)
     with cpu_attention.disabled():
         mx.eval(target.forward(ids, ref))
     cache = target.make_cache()
-    prefill(target, cache, ids, chunk_size=150)
+    swiglu_calls = []
+    real_swiglu = cpu_swiglu.swiglu
+    cpu_swiglu.swiglu = lambda *a, **k: swiglu_calls.append(1) or real_swiglu(*a, **k)
+    try:
+        prefill(target, cache, ids, chunk_size=150)
+    finally:
+        cpu_swiglu.swiglu = real_swiglu
     assert len(routed) == 2 * (layers - 1)
+    if cpu_swiglu._swiglu_kernel() is not None:  # nor the last layer's MLP, which that would force
+        assert len(swiglu_calls) == 2 * (layers - 1)
     for a, b in zip(cache, ref):
         assert a.offset == b.offset == 300
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
