@@ -58,6 +58,8 @@ def _build(name: str) -> ctypes.CDLL | None:
     if cc is None:
         log.info("no C compiler: %s runs on numpy", name)
         return None
+    if not Path(__file__).with_name(f"{name}.c").exists():
+        return None
     path = library_path(name, cc)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
