@@ -161,7 +161,8 @@ def test_greedy_equals_mlx_lm_at_depth(long_model, routed, length):
             done = list(engine.generate(GenerationRequest(prompt, max_tokens=16, mode=mode)))[-1]
             assert done.token_ids == ref, mode
         full_chunks = (length - 1) // 512  # chunks of 512 queries (the tail may be under 65)
-        assert len(routed) >= 2 * 2 * full_chunks  # 2 modes x 2 layers: every full chunk took it
+        # 2 modes x 1 layer: every full chunk took it, in all layers but the last (unread in a prefill)
+        assert len(routed) >= 2 * 1 * full_chunks
 
 
 def test_logits_agree_to_float32_rounding(tiny_model_dir, routed):
