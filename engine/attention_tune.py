@@ -55,6 +55,19 @@ def attention_calls(target) -> list[tuple[int, int, int, int]]:
     return seen
 
 
+def unread_last_call(target, cache) -> int | None:
+    """How many attention calls a forward of this target makes, where the last one's output
+    feeds no cache (so a forward that only fills the cache need not compute it); else None.
+    That holds when every cache is a plain KVCache with one attention call each: keys and
+    values are cached before attention, and no recurrent state follows the last layer."""
+    if not cache or any(type(c).__name__ != "KVCache" for c in cache):
+        return None
+    calls = getattr(target, "_attention_call_count", None)
+    if calls is None:  # counted once per target
+        calls = target._attention_call_count = len(attention_calls(target))
+    return calls if calls == len(cache) else None
+
+
 def attention_shape(target) -> tuple[int, int, int, int]:
     """The widest attention layer's shape: where the crossover matters most."""
     seen = attention_calls(target)

@@ -6,8 +6,10 @@ softmax on one core; at long depth it is an order of magnitude slower than its F
 Here each (query block, key block) pair is one BLAS matmul into a score tile of a
 few hundred KB, the softmax is carried online (running max and sum, flash-attention
 style), key blocks past the causal diagonal are skipped, and one thread per core
-takes (batch, kv head, query block) items: numpy's float32 matmuls and ufuncs release
-the GIL, so both cores stay busy.
+takes (batch, kv head, query block) items. An item's tile loop runs in C
+(`cpu_kernels.c`: numpy's own OpenBLAS sgemm for the two matmuls, the softmax step in
+two passes with a vectorised exp, no GIL held); where that can't be compiled, numpy's
+matmuls and ufuncs do the same steps (they release the GIL too).
 
 `install()` routes `mx.fast.scaled_dot_product_attention` here, which every mlx-lm
 family reaches (directly or through `mlx_lm.models.base.scaled_dot_product_attention`,
@@ -41,6 +43,14 @@ def _threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def _numpy_openblas_paths() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "openblas" in line and "numpy" in line})
+    except OSError:
+        return []
+
+
 def _numpy_openblas():
     """(get, set) of numpy's own OpenBLAS thread count, or None where it has none.
 
@@ -50,12 +60,7 @@ def _numpy_openblas():
     """
     import ctypes
 
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line and "numpy" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
+    for path in _numpy_openblas_paths():
         lib = ctypes.CDLL(path)
         for get, set_ in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
                           ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
@@ -141,30 +146,92 @@ def attention(
     return out
 
 
+_kernel = None
+
+
+def _compiled():
+    """(cpu_kernels.c's attention_rows, the address of numpy's OpenBLAS sgemm) or None: the
+    work item in numpy passes. The C loop calls the same OpenBLAS numpy does, holds no GIL
+    (the two workers never wait on each other) and runs the softmax step in two passes."""
+    global _kernel
+    if _kernel is None:
+        import ctypes
+
+        from . import native
+
+        lib, sgemm = native.load("cpu_kernels"), _numpy_sgemm64()
+        if lib is None or sgemm is None:
+            _kernel = False
+        else:
+            fn = lib.attention_rows
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 2]
+            _kernel = fn, sgemm
+    return _kernel or None
+
+
+def _numpy_sgemm64() -> int | None:
+    """Address of cblas_sgemm with 64-bit integers in numpy's bundled OpenBLAS, or None."""
+    import ctypes
+
+    for path in _numpy_openblas_paths():
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):
+            if hasattr(lib, name):
+                return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    return None
+
+
 def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
     """One kv head's `rep` query heads at positions p0..p1, over every key it may see."""
     n_pos, D = p1 - p0, q.shape[-1]
-    rows = n_pos * rep
+    rows, dv = n_pos * rep, v.shape[-1]
     # Rows ordered position-major (row = pos * rep + head): one mask per position serves
     # every head of the group, and the group's heads share each K/V block's matmul.
     qb = q[b, h * rep : (h + 1) * rep, p0:p1, :].transpose(1, 0, 2).reshape(rows, D) * scale
-    kk, vv = k[b, h], v[b, h]
+    kk, vv = _unit_stride_rows(k[b, h]), _unit_stride_rows(v[b, h])
     last_key = offset + p1 if causal else kk.shape[0]  # keys past it are masked for every row
     m = np.full(rows, -np.inf, dtype=np.float32)  # running max of each row's scores
     s = np.zeros(rows, dtype=np.float32)  # running sum of exp(score - m)
-    acc = np.zeros((rows, vv.shape[-1]), dtype=np.float32)
-    row_pos = None
+    acc = np.zeros((rows, dv), dtype=np.float32)
     tile = np.empty((rows, key_block), dtype=np.float32)
-    new_m = np.empty(rows, dtype=np.float32)
-    corr = np.empty(rows, dtype=np.float32)
-    for k0 in range(0, last_key, key_block):
-        k1 = min(k0 + key_block, last_key)
-        sc = tile[:, : k1 - k0]
-        np.matmul(qb, kk[k0:k1].T, out=sc)
-        if causal and k1 - 1 > offset + p0:  # the tile crosses the diagonal
-            if row_pos is None:
-                row_pos = np.repeat(np.arange(offset + p0, offset + p1), rep)[:, None]
-            sc[np.arange(k0, k1)[None, :] > row_pos] = -np.inf
+    compiled = _compiled()
+    if compiled:
+        fn, sgemm = compiled
+        fn(sgemm, qb.ctypes.data, rows, D, kk.ctypes.data, kk.strides[0] // 4, vv.ctypes.data, vv.strides[0] // 4,
+           dv, last_key, key_block, tile.ctypes.data, m.ctypes.data, s.ctypes.data, acc.ctypes.data,
+           offset + p0 if causal else -1, rep)
+    else:
+        step = _NumpySoftmax(rows, rep, offset + p0)
+        for k0 in range(0, last_key, key_block):
+            k1 = min(k0 + key_block, last_key)
+            sc = tile[:, : k1 - k0]
+            np.matmul(qb, kk[k0:k1].T, out=sc)
+            m = step(sc, m, s, acc, k0, k1, causal)
+            acc += sc @ vv[k0:k1]
+    acc /= s[:, None]
+    out[b, h * rep : (h + 1) * rep, p0:p1, :] = acc.reshape(n_pos, rep, -1).transpose(1, 0, 2)
+
+
+def _unit_stride_rows(x: np.ndarray) -> np.ndarray:
+    """x (rows x cols) with its columns adjacent, as BLAS needs (a cache slice already is)."""
+    return x if x.strides[-1] == x.itemsize and x.strides[0] >= x.shape[-1] * x.itemsize else np.ascontiguousarray(x)
+
+
+class _NumpySoftmax:
+    """The online softmax's step in numpy passes (where cpu_kernels.c can't be compiled)."""
+
+    def __init__(self, rows, rep, first_pos):
+        self.row_pos = np.repeat(np.arange(first_pos, first_pos + rows // rep), rep)[:, None]
+        self.new_m = np.empty(rows, dtype=np.float32)
+        self.corr = np.empty(rows, dtype=np.float32)
+
+    def __call__(self, sc, m, s, acc, k0, k1, causal):
+        """Turns the tile into exp(score - new max), rescales s and acc; returns the new max."""
+        new_m, corr = self.new_m, self.corr
+        if causal and k1 - 1 > self.row_pos[0, 0]:  # the tile crosses the diagonal
+            sc[np.arange(k0, k1)[None, :] > self.row_pos] = -np.inf
         # The first tile always holds key 0, which every row sees: m is finite from then on.
         np.maximum(m, sc.max(axis=1), out=new_m)
         np.subtract(m, new_m, out=corr)
@@ -174,10 +241,8 @@ def _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block):
         s *= corr
         s += sc.sum(axis=1)
         acc *= corr[:, None]
-        acc += sc @ vv[k0:k1]
-        m, new_m = new_m, m
-    acc /= s[:, None]
-    out[b, h * rep : (h + 1) * rep, p0:p1, :] = acc.reshape(n_pos, rep, -1).transpose(1, 0, 2)
+        self.new_m = m
+        return new_m
 
 
 # -- routing mx.fast.scaled_dot_product_attention ----------------------------------------
@@ -207,6 +272,27 @@ def disabled():
         _state.off = old
 
 
+@contextlib.contextmanager
+def last_call_unread(calls: int | None):
+    """Inside this block (on this thread) a forward whose last attention output nobody reads:
+    a prefill chunk that only fills KV caches. MLX never evaluates that output (its graph is
+    dropped), but this path computes eagerly, so the forward's `calls`-th attention call goes
+    to MLX's kernel, lazily, and costs nothing. `calls` None: every call as usual."""
+    old = getattr(_state, "unread", None)
+    _state.unread = [0, calls] if calls else None
+    try:
+        yield
+    finally:
+        _state.unread = old
+
+
+def in_unread_tail() -> bool:
+    """Whether this thread's forward is past its unread last attention call (`last_call_unread`):
+    nothing after it is read, so nothing after it may be computed eagerly either."""
+    unread = getattr(_state, "unread", None)
+    return unread is not None and unread[0] >= unread[1]
+
+
 def handles(queries, keys, mask, sinks) -> bool:
     """Whether this path should take these arguments: it computes them exactly (up to
     float32 rounding) and the chunk is above the crossover."""
@@ -225,7 +311,11 @@ def handles(queries, keys, mask, sinks) -> bool:
 
 
 def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **kwargs):
-    if args or kwargs or scale is None or not handles(queries, keys, mask, sinks):
+    unread = getattr(_state, "unread", None)
+    if unread is not None:
+        unread[0] += 1
+        last = unread[0] == unread[1]
+    if args or kwargs or scale is None or (unread is not None and last) or not handles(queries, keys, mask, sinks):
         return _original(queries, keys, values, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
     import mlx.core as mx
 

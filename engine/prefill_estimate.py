@@ -1,9 +1,10 @@
 """How long a cold prefill of N tokens should take here, and how long it does (for `doctor`).
 
-The estimate is the prefill's FLOPs at this machine's BLAS rate: the weights' matmuls
-(2 x matmul parameters a token; the logits of every token included, as the engine
-computes them) plus causal attention (2 x (key + value size) x query heads x N(N+1)/2
-per layer). The measurement is a cold prefill in full, or, where that would take too
+The estimate is the FLOPs a prefill needs at this machine's BLAS rate: the weights' matmuls
+(2 x matmul parameters a token, without the output head: a prefill reads no logits) plus
+causal attention (2 x (key + value size) x query heads x N(N+1)/2 per layer), where the last
+layer's attention and what follows it are left out when they feed no cache, as MLX (and
+plain mlx-lm) never compute them. The measurement is a cold prefill in full, or, where that would take too
 long, a prediction from two timed chunks: the first, and one at the last chunk's depth
 over a cache filled with random keys and values (a chunk's cost is linear in its depth).
 """
@@ -16,28 +17,65 @@ from .attention_tune import attention_calls
 from .prefill_chunk import time_prefill
 
 
+# Projections that make a layer's keys or values (alone or fused with queries), by family.
+KV_PROJECTIONS = ("k_proj", "v_proj", "kv_proj", "qkv_proj", "wqkv", "query_key_value", "c_attn", "kv_a_proj_with_mqa")
+
+
+def _linear_sizes(module) -> dict[str, int]:
+    """Parameters each linear layer under `module` multiplies by, a token, by name."""
+    import mlx.nn as nn
+
+    sizes = {}
+    for name, m in module.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            sizes[name] = m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+        elif isinstance(m, nn.Linear):
+            sizes[name] = m.weight.size
+    return sizes
+
+
 def matmul_params(target) -> int:
     """Parameters the forward multiplies by, a token: linear layers, and the embedding where
     it doubles as the output head (tied)."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
+    return sum(_linear_sizes(target.model).values()) + _tied_head(target)
 
-    linear, embed = 0, 0
-    for _, m in tree_flatten(target.model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
-        if isinstance(m, nn.QuantizedLinear):
-            linear += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
-        elif isinstance(m, nn.Linear):
-            linear += m.weight.size
-        elif isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
-            rows = m.weight.shape[0]
-            embed = max(embed, rows * (m.weight.shape[1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[1]))
-    has_head = any(name.endswith("lm_head") for name, _ in target.model.named_modules())
-    return linear + (0 if has_head else embed)
+
+def _tied_head(target) -> int:
+    import mlx.nn as nn
+
+    if any(name.endswith("lm_head") for name, _ in target.model.named_modules()):
+        return 0
+    embed = 0
+    for _, m in target.model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+            cols = m.weight.shape[1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[1]
+            embed = max(embed, m.weight.shape[0] * cols)
+    return embed
+
+
+def prefill_params(target) -> int:
+    """Parameters a cache-filling forward (a prefill chunk) multiplies by, a token. Its logits
+    are never read, so MLX never computes the head; where the last attention layer's output
+    feeds no cache (`unread_last_call`), of that layer only what makes keys and values runs."""
+    from .attention_tune import unread_last_call
+
+    sizes = _linear_sizes(target.model)
+    params = sum(n for name, n in sizes.items() if not name.endswith("lm_head"))
+    if unread_last_call(target, target.make_cache()):
+        last = _linear_sizes(target.model.layers[-1])
+        params -= sum(n for name, n in last.items() if not name.lower().endswith(KV_PROJECTIONS))
+    return params
 
 
 def prefill_flops(target, tokens: int, calls=None) -> dict:
-    calls = calls if calls is not None else attention_calls(target)
-    weights = 2.0 * matmul_params(target) * tokens
+    """The FLOPs a cold prefill of `tokens` needs: the weights' matmuls (`prefill_params`) and
+    causal attention, less the last layer's where nothing reads it."""
+    from .attention_tune import unread_last_call
+
+    calls = list(calls if calls is not None else attention_calls(target))
+    if calls and unread_last_call(target, target.make_cache()):
+        calls = calls[:-1]
+    weights = 2.0 * prefill_params(target) * tokens
     pairs = tokens * (tokens + 1) / 2
     attention = sum(2.0 * hq * (dk + dv) * pairs for hq, _, dk, dv in calls)
     return {"weights": weights, "attention": attention, "total": weights + attention}
@@ -78,8 +116,12 @@ def time_chunk_at(target, depth: int, ids: list[int], calls) -> float:
         for c, (_, hkv, dk, dv) in zip(cache, calls):
             c.update_and_fetch(mx.random.normal((1, hkv, depth, dk)), mx.random.normal((1, hkv, depth, dv)))
         mx.eval([c.state for c in cache])
+    from . import cpu_attention
+    from .attention_tune import unread_last_call
+
     t0 = time.perf_counter()
-    target.forward(ids, cache)
+    with cpu_attention.last_call_unread(unread_last_call(target, cache)):  # as prefill() runs it
+        target.forward(ids, cache)
     mx.eval([c.state for c in cache])
     return time.perf_counter() - t0
 

@@ -259,10 +259,11 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
     mx.eval(model.parameters())
     actual = str(want or _weights_dtype(model)).replace("mlx.core.", "")
     target = Target(model=model, tokenizer=tokenizer, path=path, config=config, dtype=actual)
-    from . import gated_delta_chunked
+    from . import cpu_swiglu, gated_delta_chunked
     from .attention_tune import install_for
 
-    install_for(target)  # long prefill chunks on CPU: blockwise attention (engine/cpu_attention.py)
+    if install_for(target) is not None:  # long prefill chunks on CPU: blockwise attention (engine/cpu_attention.py)
+        cpu_swiglu.install_for(target)  # and the MLP's activation in a compiled kernel (engine/cpu_swiglu.py)
     gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)
     return target
 

@@ -18,6 +18,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from . import cpu_attention
+from .attention_tune import unread_last_call
 from .drafter import Drafter
 from .errors import CancelledError
 from .rollback import mark, needs_replay, supports_drafts, take_back
@@ -62,7 +64,8 @@ def prefill(
             _, hidden = target.forward_tapped(chunk, cache, tap_layers)
             on_hidden(hidden)
         else:
-            target.forward(chunk, cache)
+            with cpu_attention.last_call_unread(unread_last_call(target, cache)):
+                target.forward(chunk, cache)
         mx.eval([c.state for c in cache])
         if on_progress:
             on_progress(min(start + chunk_size, total), total)

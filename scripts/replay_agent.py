@@ -10,6 +10,10 @@ time, on the same model in float32 (a float32 copy is made for mlx_lm.server) wi
 preloaded. Printed per turn: prompt tokens and each server's time to first token; then the total
 waiting, and for `serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and
 restart (a fresh cache folder at the start). Fixtures that are absent are skipped.
+
+Another model size without a download: `scripts/make_random_model.py DIR` writes a qwen3 of about
+4.5x the bundled model's parameters with random weights and the bundled tokenizer; then
+`--model DIR`.
 """
 
 from __future__ import annotations

@@ -12,9 +12,26 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from engine import Engine, GenerationRequest, cpu_attention
+from engine import Engine, GenerationRequest, cpu_attention, cpu_swiglu
 from engine import attention_tune as tune_mod
+from engine import native
 from tiny_models import build_tiny_model
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def softmax_step(request, monkeypatch):
+    """Both ways of a work item: cpu_kernels.c's loop, and numpy's passes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(cpu_attention, "_kernel", False)
+    elif cpu_attention._compiled() is None:
+        pytest.skip("no C compiler here")
+    return request.param
+
+
+def test_compiled_kernel_is_used_where_a_compiler_is():
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    assert cpu_attention._compiled() is not None
 
 
 def mlx_sdpa(q, k, v, scale, mask):
@@ -30,15 +47,32 @@ def mlx_sdpa(q, k, v, scale, mask):
     (8, 1, 70, 5000, 8),      # many heads on one kv head, many key blocks
 ])
 @pytest.mark.parametrize("mask", ["causal", None])
-def test_kernel_equals_mlx(hq, hkv, L, S, d, mask):
+@pytest.mark.parametrize("spread", [2, 20])  # 20: most exps underflow, as in peaked attention
+def test_kernel_equals_mlx(hq, hkv, L, S, d, mask, spread, softmax_step):
     rng = np.random.default_rng(hq * L + S)
     q = rng.standard_normal((2, hq, L, d), dtype=np.float32)
-    k = rng.standard_normal((2, hkv, S, d), dtype=np.float32) * 2
+    k = rng.standard_normal((2, hkv, S, d), dtype=np.float32) * spread
     v = rng.standard_normal((2, hkv, S, d), dtype=np.float32)
     ref = mlx_sdpa(q, k, v, d**-0.5, mask)
+    exact = attention_f64(q, k, v, d**-0.5, mask)
     for threads in (1, 2):
         out = cpu_attention.attention(q, k, v, d**-0.5, causal=mask is not None, threads=threads)
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+        if spread == 2:
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+        else:  # peaked: scores of +-100 leave float32 rounding visible; as near the truth as MLX
+            assert np.abs(out - exact).max() <= 2 * np.abs(ref - exact).max() + 1e-6
+
+
+def attention_f64(q, k, v, scale, mask):
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale
+    if mask is not None:
+        L, S = scores.shape[-2:]
+        scores[..., np.arange(S)[None, :] > np.arange(S - L, S)[:, None]] = -np.inf
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
 
 
 @pytest.fixture
@@ -127,7 +161,8 @@ def test_greedy_equals_mlx_lm_at_depth(long_model, routed, length):
             done = list(engine.generate(GenerationRequest(prompt, max_tokens=16, mode=mode)))[-1]
             assert done.token_ids == ref, mode
         full_chunks = (length - 1) // 512  # chunks of 512 queries (the tail may be under 65)
-        assert len(routed) >= 2 * 2 * full_chunks  # 2 modes x 2 layers: every full chunk took it
+        # 2 modes x 1 layer: every full chunk took it, in all layers but the last (unread in a prefill)
+        assert len(routed) >= 2 * 1 * full_chunks
 
 
 def test_logits_agree_to_float32_rounding(tiny_model_dir, routed):
@@ -175,3 +210,36 @@ def test_crossover_cache_is_keyed(tiny_model_dir, tmp_path, monkeypatch):
     data["key"]["mlx"] = "0.0"
     path.write_text(json.dumps(data))
     assert not tune_mod.crossover_for(target).measured
+
+
+def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed):
+    """A cache-filling chunk computes every layer's attention but the last (whose output nothing
+    reads, so MLX never evaluates it), and the cache it leaves equals a full forward's."""
+    from engine import load_target
+    from engine.verify import prefill
+
+    target = load_target(tiny_model_dir)
+    cpu_attention.set_crossover(0)  # load_target installed the default crossover
+    ids = np.random.default_rng(1).integers(0, target.vocab_size, size=300).tolist()
+    layers = len(target.make_cache())
+    ref = target.make_cache()
+    with cpu_attention.disabled():
+        mx.eval(target.forward(ids, ref))
+    cache = target.make_cache()
+    swiglu_calls = []
+    real_swiglu = cpu_swiglu.swiglu
+    cpu_swiglu.swiglu = lambda *a, **k: swiglu_calls.append(1) or real_swiglu(*a, **k)
+    try:
+        prefill(target, cache, ids, chunk_size=150)
+    finally:
+        cpu_swiglu.swiglu = real_swiglu
+    assert len(routed) == 2 * (layers - 1)
+    if cpu_swiglu._swiglu_kernel() is not None:  # nor the last layer's MLP, which that would force
+        assert len(swiglu_calls) == 2 * (layers - 1)
+    for a, b in zip(cache, ref):
+        assert a.offset == b.offset == 300
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            np.testing.assert_allclose(np.array(x[..., :300, :]), np.array(y[..., :300, :]), rtol=1e-4, atol=1e-4)
+    routed.clear()
+    mx.eval(target.forward(ids[:100], target.make_cache()))  # a forward whose outputs are read
+    assert len(routed) == layers

@@ -1,0 +1,53 @@
+"""SwiGLU in the compiled kernel: equal to mlx-lm's to float32 rounding, routed only for prefill
+chunks in float32 on the CPU, installed for a loaded qwen3 (a tiny random model)."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import activations
+
+from engine import cpu_attention, cpu_swiglu, load_target
+
+
+@pytest.fixture(autouse=True)
+def kernel():
+    if cpu_swiglu._swiglu_kernel() is None:
+        pytest.skip("no C compiler here")
+
+
+@pytest.mark.parametrize("shape", [(1, 100, 64), (1, 1024, 1000), (2, 77, 13)])
+def test_kernel_equals_mlx_lm(shape):
+    rng = np.random.default_rng(sum(shape))
+    gate = rng.standard_normal(shape, dtype=np.float32) * 8
+    gate.flat[:6] = [-120, -89, -30, 30, 89, 120]  # exp's clamps, both ways
+    x = rng.standard_normal(shape, dtype=np.float32)
+    ref = np.array(activations.swiglu(mx.array(gate), mx.array(x)))
+    for threads in (1, 2):
+        np.testing.assert_allclose(cpu_swiglu.swiglu(gate, x, threads=threads), ref, rtol=2e-6, atol=1e-6)
+
+
+def test_routing_takes_only_prefill_chunks(tiny_model_dir):
+    target = load_target(tiny_model_dir)
+    module = importlib.import_module(type(target.model).__module__)
+    assert module.swiglu is cpu_swiglu._routed
+    calls = []
+    real = cpu_swiglu.swiglu
+    cpu_swiglu.swiglu = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+    try:
+        rng = np.random.default_rng(0)
+        g, x = (mx.array(rng.standard_normal((1, 80, 32), dtype=np.float32)) for _ in range(2))
+        ref = np.array(activations.swiglu(g, x))
+        np.testing.assert_allclose(np.array(module.swiglu(g, x)), ref, rtol=2e-6, atol=1e-6)
+        assert calls == [(1, 80, 32)]
+        mx.eval(module.swiglu(g[:, :64], x[:, :64]))  # a verify-sized pass: MLX's
+        mx.eval(module.swiglu(g.astype(mx.bfloat16), x.astype(mx.bfloat16)))  # another dtype
+        with cpu_attention.disabled():
+            mx.eval(module.swiglu(g, x))
+        mx.eval(mx.compile(module.swiglu)(g, x))  # a traced graph
+        assert calls == [(1, 80, 32)]
+    finally:
+        cpu_swiglu.swiglu = real
