@@ -278,12 +278,19 @@ def last_call_unread(calls: int | None):
     a prefill chunk that only fills KV caches. MLX never evaluates that output (its graph is
     dropped), but this path computes eagerly, so the forward's `calls`-th attention call goes
     to MLX's kernel, lazily, and costs nothing. `calls` None: every call as usual."""
-    old = getattr(_state, "unread", None)
+    old = getattr(_state, "unread", None), getattr(_state, "prefill", False)
     _state.unread = [0, calls] if calls else None
+    _state.prefill = True
     try:
         yield
     finally:
-        _state.unread = old
+        _state.unread, _state.prefill = old
+
+
+def in_prefill() -> bool:
+    """Whether this thread is inside a prefill chunk's forward (`last_call_unread`): the only
+    place eager helpers such as cpu_swiglu may run (never under autodiff or mx.compile)."""
+    return getattr(_state, "prefill", False)
 
 
 def in_unread_tail() -> bool:

@@ -66,6 +66,8 @@ def handles(gate, x) -> bool:
 
     if getattr(cpu_attention._state, "off", False) or cpu_attention.in_unread_tail():
         return False  # off; or in a layer whose output nothing reads: MLX's lazy graph skips it
+    if not cpu_attention.in_prefill():
+        return False  # a numpy result carries no gradient: only the engine's prefill chunks
     if gate.shape != x.shape or gate.ndim < 2 or gate.dtype != mx.float32 or x.dtype != mx.float32:
         return False
     if mx.default_device() != mx.cpu or _swiglu_kernel() is None:

@@ -23,12 +23,15 @@ function. The result equals the step loop's to float32 rounding, like `cpu_atten
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 
 import mlx.core as mx
 
 CHUNK = 64
+_state = threading.local()
 # Fewer positions than this run mlx-lm's step loop: a decode step, and verify passes too
 # narrow for the chunk's fixed cost to pay off.
 MIN_POSITIONS = 2
@@ -107,13 +110,25 @@ def _routed(original):
 
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
         # a verify pass whose states are being captured goes one position at a time
-        if mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS and not recording_open():
+        if (mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS and not recording_open()
+                and not getattr(_state, "off", False)):
             return chunked_gated_delta(q, k, v, g, beta, state)
         return original(q, k, v, g, beta, state, mask)
 
     gated_delta_ops.__wrapped__ = original
     gated_delta_ops.chunked_router = True
     return gated_delta_ops
+
+
+@contextlib.contextmanager
+def disabled():
+    """mlx-lm's own step loop inside this block (on this thread): bit-level references."""
+    old = getattr(_state, "off", False)
+    _state.off = True
+    try:
+        yield
+    finally:
+        _state.off = old
 
 
 def install() -> None:

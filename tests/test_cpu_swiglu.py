@@ -41,13 +41,20 @@ def test_routing_takes_only_prefill_chunks(tiny_model_dir):
         rng = np.random.default_rng(0)
         g, x = (mx.array(rng.standard_normal((1, 80, 32), dtype=np.float32)) for _ in range(2))
         ref = np.array(activations.swiglu(g, x))
-        np.testing.assert_allclose(np.array(module.swiglu(g, x)), ref, rtol=2e-6, atol=1e-6)
+        mx.eval(module.swiglu(g, x))  # outside a prefill chunk (training, tests): MLX's
+        assert calls == []
+        with cpu_attention.last_call_unread(None):  # what verify.prefill opens
+            np.testing.assert_allclose(np.array(module.swiglu(g, x)), ref, rtol=2e-6, atol=1e-6)
         assert calls == [(1, 80, 32)]
-        mx.eval(module.swiglu(g[:, :64], x[:, :64]))  # a verify-sized pass: MLX's
-        mx.eval(module.swiglu(g.astype(mx.bfloat16), x.astype(mx.bfloat16)))  # another dtype
-        with cpu_attention.disabled():
-            mx.eval(module.swiglu(g, x))
-        mx.eval(mx.compile(module.swiglu)(g, x))  # a traced graph
+        # under autodiff the gradient flows through mlx-lm's own swiglu
+        grad = mx.grad(lambda a: module.swiglu(a, x).sum())(g)
+        assert mx.allclose(grad, mx.grad(lambda a: activations.swiglu(a, x).sum())(g))
+        with cpu_attention.last_call_unread(None):
+            mx.eval(module.swiglu(g[:, :64], x[:, :64]))  # a verify-sized pass: MLX's
+            mx.eval(module.swiglu(g.astype(mx.bfloat16), x.astype(mx.bfloat16)))  # another dtype
+            with cpu_attention.disabled():
+                mx.eval(module.swiglu(g, x))
+            mx.eval(mx.compile(module.swiglu)(g, x))  # a traced graph
         assert calls == [(1, 80, 32)]
     finally:
         cpu_swiglu.swiglu = real

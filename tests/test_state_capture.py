@@ -26,7 +26,7 @@ from engine.cost_curve import (
     save_cost_curve,
     state_rollback,
 )
-from engine import state_capture
+from engine import gated_delta_chunked, state_capture
 from engine.rollback import leaves, mark, needs_replay, take_back
 from engine.state_capture import Capture, bind, recording
 from engine.target import load_target
@@ -80,8 +80,16 @@ def _slots(cache) -> list:
     return out
 
 
+@pytest.fixture
+def step_loop():
+    """Gated DeltaNet one position at a time in every pass (a recorded pass always is), so the
+    capture and the replay can be compared bit for bit (engine/gated_delta_chunked.py)."""
+    with gated_delta_chunked.disabled():
+        yield
+
+
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
-def test_capture_restores_what_replay_restores(family, models):
+def test_capture_restores_what_replay_restores(family, models, step_loop):
     """After a verify pass of 11 tokens, keeping j of them (every j: a draft rejected at each
     position): every layer's state from the capture equals the state a replay of the j tokens
     builds, and so does the next pass's output; a second take-back (a stop mid-round,
