@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cost_curve import cache_dir, device_name
+from .cost_curve import cache_dir, device_name, write_json
 
 FORMAT = 1
 DEFAULT_MIN_KEYS = 512  # measured 2.7x faster than MLX already at 512 keys (2 cores, OpenBLAS)
@@ -104,12 +104,7 @@ def load_crossover(key: dict) -> Crossover | None:
 
 
 def save_crossover(found: Crossover) -> Path:
-    path = crossover_path(found.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(found), indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_json(crossover_path(found.key), asdict(found))
 
 
 def _best_of(fn, repeats: int) -> float:

@@ -17,14 +17,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .cost_curve import cache_dir, curve_key, curve_path
+from .cost_curve import cache_dir, curve_key, curve_path, write_json
 
 BATCHES = (1, 2, 4, 8)
 WIDTHS = (1, 2, 4, 8, 16, 32)
@@ -238,11 +237,7 @@ def load_batch_surface(key: dict) -> BatchSurface | None:
 
 
 def save_batch_surface(surface: BatchSurface):
-    path = surface_path(surface.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(surface.to_dict(), indent=1))
-    os.replace(tmp, path)  # readers never see half a file
+    path = write_json(surface_path(surface.key), surface.to_dict())
     _memo.clear()
     return path
 

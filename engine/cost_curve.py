@@ -325,12 +325,17 @@ def load_cost_curve(key: dict) -> CostCurve | None:
     return curve if curve.key == key and curve.measured else None
 
 
-def save_cost_curve(curve: CostCurve) -> Path:
-    path = curve_path(curve.key)
+def write_json(path: Path, data) -> Path:
+    """A measurement cache file, written whole or not at all (readers never see half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(curve.to_dict(), indent=1))
-    os.replace(tmp, path)  # readers never see half a file
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def save_cost_curve(curve: CostCurve) -> Path:
+    path = write_json(curve_path(curve.key), curve.to_dict())
     _memo.pop(str(path), None)
     return path
 

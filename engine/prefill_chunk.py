@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
-from .cost_curve import cache_dir, device_name
+from .cost_curve import cache_dir, device_name, write_json
 
 FORMAT = 1
 DEFAULT_CHUNK = 1024  # 4096-token prefill, bundled model: 256 18.8 s, 512 13.9, 1024 13.2, 2048 21.0 (load 10)
@@ -81,11 +80,7 @@ def tune_chunk(target, refresh: bool = False) -> dict:
     found = None if refresh else load_chunk(key)
     if found is None:
         found = measure_chunk(target)
-        path = chunk_path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(found, indent=1))
-        os.replace(tmp, path)
+        write_json(chunk_path(key), found)
     return found
 
 

@@ -28,6 +28,21 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=1)
 
 
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch) -> Path:
+    """An empty measurement cache (cost curves, crossovers, chunk sizes) for one test."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    """The tiny model loaded as the engine loads it (engine.target.load_target)."""
+    from engine.target import load_target
+
+    return load_target(tiny_model_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir):
     from engine import Engine

@@ -16,24 +16,12 @@ from engine import (
     curve_for_requests,
     curve_key,
     load_cost_curve,
-    load_target,
     tune,
 )
 from engine.cost_curve import curve_path
 from engine.draft_control import expected_tokens
 
 SMALL = dict(widths=(1, 2, 4, 8), depths=(16, 64), repeats=1)
-
-
-@pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_target(tiny_model_dir)
 
 
 def knee_curve(knee: int = 16) -> CostCurve:

@@ -21,17 +21,6 @@ from engine.cost_curve import curve_path
 BATCHES, WIDTHS = [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]
 
 
-@pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_target(tiny_model_dir)
-
-
 def synthetic(narrow_share=lambda b: 1 / math.sqrt(b), widest: int = 8, key: dict | None = None) -> BatchSurface:
     """Alone a width-w forward costs 1 + 0.05 (w - 1); b of them batched cost b times that times
     `narrow_share(b)` up to `widest`, and no less than alone beyond it."""

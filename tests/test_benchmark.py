@@ -38,11 +38,6 @@ def _agent_session(path, turns: int = 3):
     return path
 
 
-@pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def test_benchmark_json_shape(tiny_model_dir, tmp_path, cache_home, capsys):
     session = _agent_session(tmp_path / "session.jsonl")
     rc = main(["benchmark", "--model", str(tiny_model_dir), "--contents", "chat,code,refactor,agent",

@@ -16,12 +16,6 @@ from engine.heads import DrafterLoadError, load_head
 from engine.heads.export import dflash_config, dspark_config, random_head_checkpoint, save_checkpoint
 from engine.heads.registry import base_name
 from engine.modes import resolve_mode
-from engine.target import load_target
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_target(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

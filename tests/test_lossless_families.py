@@ -18,23 +18,13 @@ import pytest
 from engine import Engine, GenerationRequest, SamplingParams
 from test_lossless import corrupt, lookup_ids, mlx_lm_greedy
 from test_sampling import check_engine_sampling
-from tiny_models import FAMILIES, WINDOW, build_family_model
+from tiny_models import FAMILIES, WINDOW, build_family_model, family_installed
 
 MAX_TOKENS = 32
 CAP = 16
 
 
-def _installed(family: str) -> bool:
-    import importlib
-
-    try:
-        importlib.import_module(f"mlx_lm.models.{FAMILIES[family][0]}")
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.fixture(scope="module", params=[f for f in FAMILIES if _installed(f)])
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if family_installed(f)])
 def family_engine(request, tmp_path_factory):
     path = build_family_model(tmp_path_factory.mktemp(request.param), request.param, seed=5)
     with Engine(str(path)) as e:
@@ -84,7 +74,7 @@ def test_baseline_equals_mlx_lm(family_engine):
 @pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss"])
 def test_sampling_matches_target(family, tmp_path):
     """Chi-square on a hybrid and on a sliding-window family, prompt past the window."""
-    if not _installed(family):
+    if not family_installed(family):
         pytest.skip(f"mlx-lm has no {family}")
     path = build_family_model(tmp_path / family, family, seed=7, scale=2.0)
     with Engine(str(path)) as engine:
@@ -131,7 +121,7 @@ def test_prefix_cache_on_off_diverged(family_engine):
 def test_heads_tap_hybrid_and_sliding_targets(family, tmp_path):
     """Drafter heads read these models' residual stream from the verify forward itself,
     and decode losslessly with rejected head drafts taken back (replay, window trims)."""
-    if not _installed(family):
+    if not family_installed(family):
         pytest.skip(f"mlx-lm has no {family}")
     import json
 

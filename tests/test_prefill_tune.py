@@ -7,24 +7,11 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from engine import Engine, load_target
+from engine import Engine
 from engine import prefill_chunk as pc
 from engine.prefill_estimate import matmul_params, predict_prefill, prefill_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return load_target(tiny_model_dir)
 
 
 def test_chunk_is_measured_once_and_keyed(cache_home, target, monkeypatch):

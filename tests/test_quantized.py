@@ -42,11 +42,17 @@ def quantise(src, dst, bits: int, mode: str = "affine"):
     return dst
 
 
-def mlx_lm_reference(engine: Engine, path, prompt: list[int]) -> list[int]:
-    """mlx-lm's own load of the quantised directory, greedy, on the engine's thread."""
+def mlx_lm_reference(engine: Engine, path, prompt: list[int], dequantize: bool = False) -> list[int]:
+    """mlx-lm's own load of the quantised directory (its weights dequantized by mlx-lm if
+    `dequantize`, in float32), greedy, on the engine's thread."""
 
     def run(_target):
         model, tokenizer = mlx_lm_load(str(path))
+        if dequantize:
+            from mlx_lm.utils import dequantize_model
+
+            model = dequantize_model(model)
+            model.set_dtype(mx.float32)
         out = []
         for tok, _ in generate_step(mx.array(prompt, dtype=mx.uint32), model, max_tokens=MAX_TOKENS,
                                     sampler=make_sampler(temp=0.0), stream=engine_stream()):
@@ -115,8 +121,6 @@ def test_small_quantized_model_runs_dequantized_on_cpu(tmp_path, monkeypatch):
     """On a CPU a small quantised model runs on its dequantized weights (the same values,
     BLAS speed): the target says so, its identity (cache keys) differs from the quantised
     run's, and lookup decoding equals mlx-lm's greedy decoding of the dequantized model."""
-    from mlx_lm.utils import dequantize_model
-
     from engine.target import load_target
 
     path = quantise(build_tiny_model(tmp_path / "src", arch="qwen3", seed=2), tmp_path / "q", 8)
@@ -130,20 +134,8 @@ def test_small_quantized_model_runs_dequantized_on_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv("MLX_DSPARK_DEQUANTIZE")
 
     with Engine(str(path)) as engine:
-        def reference(_target):
-            model, tokenizer = mlx_lm_load(str(path))
-            model = dequantize_model(model)
-            model.set_dtype(mx.float32)
-            out = []
-            for tok, _ in generate_step(mx.array(prompt, dtype=mx.uint32), model, max_tokens=MAX_TOKENS,
-                                        sampler=make_sampler(temp=0.0), stream=engine_stream()):
-                if tok in tokenizer.eos_token_ids:
-                    break
-                out.append(int(tok))
-            return out
-
         rng = random.Random(5)
         prompt = [rng.randrange(engine.target.vocab_size) for _ in range(20)]
-        ref = engine.call(reference)
+        ref = mlx_lm_reference(engine, path, prompt, dequantize=True)
         ids, _ = lookup_ids(engine, prompt, 16, [prompt + ref], max_tokens=MAX_TOKENS)
         assert ids == ref

@@ -32,23 +32,13 @@ from engine.state_capture import Capture, bind, recording
 from engine.target import load_target
 from test_lossless import corrupt, lookup_ids, mlx_lm_greedy
 from test_sampling import check_engine_sampling
-from tiny_models import FAMILIES, WINDOW, build_family_model
+from tiny_models import WINDOW, build_family_model, family_installed
 
 RECURRENT = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "lfm2", "lfm2_moe",
              "nemotron_h", "granitemoehybrid", "falcon_h1"]
 
 
-def _installed(family: str) -> bool:
-    import importlib
-
-    try:
-        importlib.import_module(f"mlx_lm.models.{FAMILIES[family][0]}")
-    except ImportError:
-        return False
-    return True
-
-
-FAMILY_PARAMS = [pytest.param(f, marks=pytest.mark.skipif(not _installed(f), reason=f"mlx-lm has no {f}"))
+FAMILY_PARAMS = [pytest.param(f, marks=pytest.mark.skipif(not family_installed(f), reason=f"mlx-lm has no {f}"))
                  for f in RECURRENT]
 
 
@@ -62,12 +52,6 @@ def models(tmp_path_factory):
         return built[family]
 
     return get
-
-
-@pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def _slots(cache) -> list:

@@ -169,6 +169,17 @@ FAMILIES: dict[str, tuple[str, dict]] = {  # name -> (model_type, extra config)
 }
 
 
+def family_installed(family: str) -> bool:
+    """Does this mlx-lm have the family's model class?"""
+    import importlib
+
+    try:
+        importlib.import_module(f"mlx_lm.models.{FAMILIES[family][0]}")
+    except ImportError:
+        return False
+    return True
+
+
 def build_family_model(out: Path, family: str, seed: int = 0, scale: float = 4.0) -> Path:
     arch, extra = FAMILIES[family]
     return build_tiny_model(out, arch=arch, seed=seed, scale=scale, extra=extra)

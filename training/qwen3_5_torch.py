@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from qwen3_torch import MLP, causal_lm_forward, load_weights  # what both decoders share (training/ is on sys.path)
 
 
 @dataclass
@@ -365,17 +366,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Qwen35Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen35Config, i: int):
         super().__init__()
@@ -439,29 +429,8 @@ class Qwen35ForCausalLM(nn.Module):
         """As ``Qwen3ForCausalLM.forward``: logits (B, T, V), or with ``targets`` the mean
         cross-entropy over positions where ``loss_mask`` is set; ``output_hidden_states`` adds
         the input of every layer and the final-normed output."""
-        B, T = input_ids.shape
-        cos, sin = rope_cos_sin(self.cfg, T, input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        hidden = [x] if output_hidden_states else None
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-            if output_hidden_states:
-                hidden.append(x)
-        x = self.model.norm(x)
-        if output_hidden_states:
-            hidden[-1] = x
-        w = self.model.embed_tokens.weight
-        if targets is None:
-            out = x @ w.t().to(x.dtype) if x.dtype != w.dtype else F.linear(x, w)
-        else:
-            if loss_mask is not None:
-                sel = loss_mask.reshape(-1)
-                h = x.reshape(-1, x.shape[-1])[sel]
-                t = targets.reshape(-1)[sel]
-            else:
-                h, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-            out = F.cross_entropy(F.linear(h, w).float(), t)
-        return (out, hidden) if output_hidden_states else out
+        cos, sin = rope_cos_sin(self.cfg, input_ids.shape[1], input_ids.device)
+        return causal_lm_forward(self.model, input_ids, cos, sin, targets, loss_mask, output_hidden_states)
 
 
 def load_pretrained(model_dir, device="cpu", dtype=None) -> Qwen35ForCausalLM:
@@ -469,13 +438,6 @@ def load_pretrained(model_dir, device="cpu", dtype=None) -> Qwen35ForCausalLM:
     import json
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
     d = Path(model_dir)
-    cfg = Qwen35Config.from_hf(json.loads((d / "config.json").read_text()))
-    model = Qwen35ForCausalLM(cfg)
-    sd = {}
-    for f in sorted(d.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
-    return model.to(device=device, dtype=dtype or torch.float32)
+    model = Qwen35ForCausalLM(Qwen35Config.from_hf(json.loads((d / "config.json").read_text())))
+    return load_weights(model, d, device, dtype)

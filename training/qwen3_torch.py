@@ -180,30 +180,34 @@ class Qwen3ForCausalLM(nn.Module):
         ``(result, hidden_states)`` where hidden_states[i] is the input of layer i (index 0 =
         embeddings) and hidden_states[-1] the final-normed output, as in HF.
         """
-        B, T = input_ids.shape
-        cos, sin = rope_cos_sin(self.cfg, T, input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        hidden = [x] if output_hidden_states else None
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-            if output_hidden_states:
-                hidden.append(x)
-        x = self.model.norm(x)
+        cos, sin = rope_cos_sin(self.cfg, input_ids.shape[1], input_ids.device)
+        return causal_lm_forward(self.model, input_ids, cos, sin, targets, loss_mask, output_hidden_states)
+
+
+def causal_lm_forward(model, input_ids, cos, sin, targets=None, loss_mask=None, output_hidden_states=False):
+    """Embed, run every decoder layer (each takes `x, cos, sin`), norm, then tied-embedding
+    logits or the masked loss: the body every decoder here shares (qwen3, qwen3_5)."""
+    x = model.embed_tokens(input_ids)
+    hidden = [x] if output_hidden_states else None
+    for layer in model.layers:
+        x = layer(x, cos, sin)
         if output_hidden_states:
-            hidden[-1] = x
-        w = self.model.embed_tokens.weight
-        if targets is None:
-            out = x @ w.t().to(x.dtype) if x.dtype != w.dtype else F.linear(x, w)
+            hidden.append(x)
+    x = model.norm(x)
+    if output_hidden_states:
+        hidden[-1] = x
+    w = model.embed_tokens.weight
+    if targets is None:
+        out = x @ w.t().to(x.dtype) if x.dtype != w.dtype else F.linear(x, w)
+    else:
+        if loss_mask is not None:
+            sel = loss_mask.reshape(-1)
+            h = x.reshape(-1, x.shape[-1])[sel]
+            t = targets.reshape(-1)[sel]
         else:
-            if loss_mask is not None:
-                sel = loss_mask.reshape(-1)
-                h = x.reshape(-1, x.shape[-1])[sel]
-                t = targets.reshape(-1)[sel]
-            else:
-                h, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-            logits = F.linear(h, w)
-            out = F.cross_entropy(logits.float(), t)
-        return (out, hidden) if output_hidden_states else out
+            h, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+        out = F.cross_entropy(F.linear(h, w).float(), t)
+    return (out, hidden) if output_hidden_states else out
 
 
 def load_pretrained(model_dir, device="cpu", dtype=None) -> Qwen3ForCausalLM:
@@ -211,13 +215,19 @@ def load_pretrained(model_dir, device="cpu", dtype=None) -> Qwen3ForCausalLM:
     import json
     from pathlib import Path
 
+    d = Path(model_dir)
+    model = Qwen3ForCausalLM(Qwen3Config.from_hf(json.loads((d / "config.json").read_text())))
+    return load_weights(model, d, device, dtype)
+
+
+def load_weights(model: nn.Module, model_dir, device="cpu", dtype=None) -> nn.Module:
+    """An exported directory's safetensors shards into `model` (strict), on `device`."""
+    from pathlib import Path
+
     from safetensors.torch import load_file
 
-    d = Path(model_dir)
-    cfg = Qwen3Config.from_hf(json.loads((d / "config.json").read_text()))
-    model = Qwen3ForCausalLM(cfg)
     sd = {}
-    for f in sorted(d.glob("*.safetensors")):
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
         sd.update(load_file(str(f)))
     model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
     return model.to(device=device, dtype=dtype or torch.float32)
