@@ -247,11 +247,17 @@ def serve(engine: Any, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_l
     import uvicorn
 
     app_kwargs["lifespan"] = closing_models(app_kwargs.get("lifespan"))
-    uvicorn.run(create_app(engine, **app_kwargs), host=host, port=port, log_level=log_level,
-                timeout_keep_alive=30, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    uvicorn.run(create_app(engine, **app_kwargs), host=host, port=port, log_level=log_level, **UVICORN_OPTIONS)
 
 
 SHUTDOWN_GRACE_S = 10  # open streams get this long after SIGTERM before they are cut
+UVICORN_OPTIONS = {
+    "timeout_keep_alive": 30,
+    "timeout_graceful_shutdown": SHUTDOWN_GRACE_S,
+    # h11 drops a connection whose headers pass 16 KB before they are complete, or not, as the
+    # bytes happen to arrive; headers up to 4x the limit reach GuardMiddleware's clear 431
+    "h11_max_incomplete_event_size": 4 * MAX_HEADER_BYTES,
+}
 
 
 def closing_models(inner: Any = None):

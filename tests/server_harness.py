@@ -8,6 +8,8 @@ import time
 
 import uvicorn
 
+from agent_bridge.server import UVICORN_OPTIONS
+
 
 class RunningServer:
     def __init__(self, app):
@@ -17,7 +19,7 @@ class RunningServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **UVICORN_OPTIONS))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "RunningServer":
