@@ -44,7 +44,8 @@ class Forward:
 
 
 def batchable(f: Forward) -> bool:
-    return all(type(c) is KVCache and c.keys is not None for c in f.cache)
+    # a cache whose positions are shifted (an M-RoPE image prompt, engine/vision.py) runs alone
+    return all(type(c) is KVCache and c.keys is not None and not getattr(c, "position_shift", 0) for c in f.cache)
 
 
 def run_forwards(target: Target, forwards: list[Forward], surface: BatchSurface | None = None) -> int:

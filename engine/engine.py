@@ -41,7 +41,7 @@ from .sampling import SamplingParams
 from .stops import TextAssembler
 from .target import Target, load_target
 from .verify import Round, prefill, speculative_rounds
-from .vision import PromptImages, Vision, load_vision
+from .vision import PromptImages, Vision, load_vision, position_view, set_position_shift
 
 DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/draft_control.py)
 MAX_ENGINE_CORPUS_DOCS = 64
@@ -483,6 +483,7 @@ class Engine:
         images = req.images
         key = images.key(prompt, target.vocab_size) if images is not None else prompt
         cache, cached = self._acquire_cache(key)
+        set_position_shift(cache, images.position_shift if images is not None else 0)  # M-RoPE after images
         stats.cached_tokens = cached
         job.phase, job.prefilled, job.prompt_tokens = "prefill", cached, len(prompt)
         job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
@@ -500,8 +501,8 @@ class Engine:
         if images is not None and cached < images.end:
             if drafter is not None and drafter.tap_layers:
                 raise InvalidRequestError(f"mode {mode!r}: drafter heads don't read image prompts yet; use lookup")
-            embeddings = self.vision.embeddings(prompt, images)[cached : len(prompt) - 1]
-            mx.eval(embeddings)  # once: the chunks below slice it
+            embeddings = self.vision.features(prompt, images)[cached : len(prompt) - 1]
+            embeddings.eval()  # once: the chunks below slice it
         for start in range(0, len(to_prefill), self.prefill_chunk):  # a chunk per step
             yield
             prefill(
@@ -674,7 +675,7 @@ def plain_rounds(target: Target, cache: list, last_token: int, sampling: Samplin
         target.model,
         max_tokens=-1,
         sampler=sampling.mlx_lm_sampler(),
-        prompt_cache=cache,
+        prompt_cache=position_view(cache),  # shifted positions after an M-RoPE image (engine/vision.py)
         stream=engine_stream(),
     )
     t = time.perf_counter()

@@ -22,6 +22,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from .errors import ModelLoadError
 from .rollback import supports_drafts
+from .vision import ImageFeatures, position_view
 
 DEFAULT_CONTEXT_WINDOW = 32768
 
@@ -65,13 +66,14 @@ class Target:
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
 
-    def forward(self, tokens: list[int] | mx.array, cache: list, embeddings: mx.array | None = None) -> mx.array:
+    def forward(self, tokens: list[int] | mx.array, cache: list, embeddings: ImageFeatures | None = None) -> mx.array:
         """Logits for each of `tokens` appended to the cache: shape (len(tokens), vocab).
-        `embeddings` (len(tokens), hidden) replace the tokens' own (a VLM's image-merged input)."""
+        `embeddings`: a VLM prompt's image-merged inputs for these tokens (engine/vision.py), fed
+        instead of the tokens' own. A cache after an M-RoPE image continues at shifted positions."""
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
         if embeddings is not None:
-            return self.model(x[None], cache=cache, input_embeddings=embeddings[None])[0]
-        return self.model(x[None], cache=cache)[0]
+            return embeddings.forward(x, cache)
+        return self.model(x[None], cache=position_view(cache))[0]
 
     # -- hidden-state taps (drafter heads read the residual stream) ---------------
 

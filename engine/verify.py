@@ -26,6 +26,7 @@ from .rollback import mark, needs_replay, supports_drafts, take_back
 from .state_capture import fits
 from .sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
 from .target import Target
+from .vision import ImageFeatures
 
 
 @dataclass
@@ -49,10 +50,11 @@ def prefill(
     cancelled: Callable[[], bool] | None = None,
     on_hidden: Callable | None = None,
     tap_layers: tuple[int, ...] = (),
-    embeddings: mx.array | None = None,
+    embeddings: ImageFeatures | None = None,
 ) -> None:
     """Feed `tokens` into the cache in chunks, reporting progress, cancellable between chunks.
-    `embeddings` (one row per token) are fed instead of the tokens' own: a VLM prompt's images."""
+    `embeddings` (one row per token) are fed instead of the tokens' own: a VLM prompt's images
+    (engine/vision.py)."""
     total = len(tokens)
     for start in range(0, total, chunk_size):
         if cancelled and cancelled():

@@ -7,8 +7,18 @@ prompt and its images into input ids and pixel values. A prompt with images is p
 the merged input embeddings (`Vision.embeddings`); everything after it (decoding, drafting,
 rollback) runs on the text model and its cache as for any prompt.
 
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL place tokens by M-RoPE: an image's tokens take 3-D positions
+(temporal, height, width) and the text after it continues at `cache offset + shift`, the shift
+(mlx-vlm's rope delta, negative: an image spans fewer positions than tokens) fixed by the prompt's
+images. Their prompt is prefilled by mlx-vlm's own text model (it takes the 3-D positions and
+Qwen3-VL's deepstack features), on the target's weights and cache; after it, the mlx-lm text model
+runs as for any prompt, its RoPE offset moved by the shift (`set_position_shift`). For text-only
+positions (t = h = w) M-RoPE is plain RoPE, so that is the same model.
+
 The prefix cache keys such a prompt by its ids with each image's tokens replaced by ids derived
 from the image's hash (`PromptImages.key`): the same image and text hit, another image misses.
+The shift is not stored with a cached prefix: the same ids and images give the same positions,
+so a request derives it from its own prompt (`PromptImages.position_shift`).
 """
 
 from __future__ import annotations
@@ -22,16 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
 
 from .errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-# Families whose text positions are plain 1-D (a token's position is the cache's length):
-# prefilling their image embeddings leaves a cache the text model continues as it is.
-# Qwen2/3-VL use M-RoPE, whose positions after an image are offset from the cache's length
-# (mlx-vlm keeps that offset in the model): not supported yet, their images become placeholders.
-SUPPORTED = ("gemma3",)
+# Families whose images reach the model. gemma3's positions are plain 1-D (a token's position
+# is the cache's length); the Qwen-VL families' are M-RoPE (3-D for image tokens, shifted after).
+MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED = ("gemma3", *MROPE)
 KEY_SPACE = 2**31 - 1  # hash-derived key ids stay below this (the disk tier stores int32 ids)
 MAX_IMAGES = 32
 
@@ -43,6 +54,7 @@ class PromptImages:
     hashes: list[str]  # sha256 of each image's bytes, in prompt order
     spans: list[tuple[int, int]]  # [start, end) of each image's tokens in the prompt ids
     inputs: dict = field(repr=False)  # the processor's outputs (pixel_values, ...) for the vision model
+    position_shift: int = 0  # M-RoPE: a text token's position is its index plus this (0: 1-D positions)
 
     @property
     def end(self) -> int:
@@ -73,9 +85,16 @@ class Vision:
         from mlx_vlm.utils import load_model, load_processor, prepare_inputs
 
         self._prepare_inputs = prepare_inputs
+        self.target = target
         model = load_model(model_dir, lazy=True)
-        # The text model is the target's: mlx-vlm's copy is dropped before its weights are read.
-        model.language_model = target.model.language_model
+        self.mrope = model.config.model_type in MROPE
+        if self.mrope:
+            # mlx-vlm's text model prefills image prompts (3-D positions, deepstack) on the
+            # target's own weights: its lazily loaded copies are replaced before they are read.
+            model.language_model.load_weights(tree_flatten(target.model.language_model.parameters()), strict=False)
+        else:
+            # The text model is the target's: mlx-vlm's copy is dropped before its weights are read.
+            model.language_model = target.model.language_model
         dtype = getattr(mx, target.dtype, None)
         for name, part in model.children().items():  # the vision half in the text model's dtype
             if name != "language_model" and isinstance(dtype, mx.Dtype) and hasattr(part, "set_dtype"):
@@ -86,7 +105,11 @@ class Vision:
         self._lock = threading.Lock()  # its fast tokenizer fails when two threads use it at once
         self.image_token_id = int(model.config.image_token_index)
         # what the chat template writes for an image: the processor expands it to the image's tokens
-        self.image_marker = self.processor.boi_token
+        if self.mrope:
+            p = self.processor
+            self.image_marker = f"{p.vision_start_token}{p.image_token}{p.vision_end_token}"
+        else:
+            self.image_marker = self.processor.boi_token
 
     def prepare(self, text: str, images: list[bytes]) -> tuple[list[int], PromptImages]:
         """A rendered prompt holding one image marker per image -> its ids and its images."""
@@ -109,16 +132,89 @@ class Vision:
         if not spans:
             raise InvalidRequestError("the processor placed no image tokens in the prompt")
         hashes = [hashlib.sha256(data).hexdigest() for data in images]
-        return ids, PromptImages(hashes, spans, inputs)
+        shift = 0
+        if self.mrope:  # the positions the text after the images continues from
+            _, delta = self.model.language_model.get_rope_index(mx.array([ids]), inputs.get("image_grid_thw"))
+            shift = int(delta.reshape(-1)[0].item())
+        return ids, PromptImages(hashes, spans, inputs, shift)
 
-    def embeddings(self, ids: list[int], images: PromptImages) -> mx.array:
-        """Input embeddings (len(ids), hidden) with the images' features merged in."""
+    def features(self, ids: list[int], images: PromptImages) -> ImageFeatures:
+        """The prompt's inputs with the images' features merged in (sliced per prefill chunk)."""
         x = mx.array([ids], dtype=mx.int32)
         out = self.model.get_input_embeddings(x, mask=mx.ones(x.shape, dtype=mx.int32), **images.inputs)
-        meta = [k for k in ("position_ids", "rope_deltas") if getattr(out, k, None) is not None]
-        if meta:  # cannot happen for SUPPORTED families; a guard against a silently wrong cache
-            raise InvalidRequestError(f"this model's image positions ({', '.join(meta)}) are not supported")
-        return out.inputs_embeds[0]
+        if not self.mrope:
+            return ImageFeatures(self, out.inputs_embeds[0])
+        deepstack = getattr(out, "deepstack_visual_embeds", None)
+        visual = np.array(x[0] == self.image_token_id) if deepstack is not None else None
+        return ImageFeatures(self, out.inputs_embeds[0], positions=out.position_ids[:, 0, :],
+                             visual=visual, deepstack=None if deepstack is None else mx.array(deepstack))
+
+    def forward(self, tokens: mx.array, cache: list, features: ImageFeatures) -> mx.array:
+        """Logits (len(tokens), vocab) for a prefill chunk fed its image-merged inputs."""
+        if not self.mrope:
+            return self.target.model(tokens[None], cache=cache, input_embeddings=features.embeds[None])[0]
+        lm = self.model.language_model
+        extra = {}
+        if features.deepstack is not None and features.visual.any():
+            extra = {"visual_pos_masks": mx.array(features.visual)[None],
+                     "deepstack_visual_embeds": features.deepstack}
+        h = lm.model(tokens[None], inputs_embeds=features.embeds[None], cache=cache,
+                     position_ids=features.positions[:, None, :], **extra)
+        return (lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h))[0]
+
+
+@dataclass
+class ImageFeatures:
+    """A prompt's image-merged inputs, one row per token; `[a:b]` slices them for a chunk."""
+
+    vision: Vision = field(repr=False)
+    embeds: mx.array  # (n, hidden)
+    positions: mx.array | None = None  # (3, n) M-RoPE positions; None: the cache's own 1-D ones
+    visual: np.ndarray | None = None  # (n,) bool: image positions (Qwen3-VL's deepstack adds to them)
+    deepstack: mx.array | None = None  # (layers, visual positions, hidden)
+
+    def __getitem__(self, part: slice) -> ImageFeatures:
+        start, stop, _ = part.indices(self.embeds.shape[0])
+        visual = deepstack = None
+        if self.visual is not None:
+            visual = self.visual[start:stop]
+            before = int(self.visual[:start].sum())
+            deepstack = self.deepstack[:, before : before + int(visual.sum())]
+        positions = None if self.positions is None else self.positions[:, start:stop]
+        return ImageFeatures(self.vision, self.embeds[start:stop], positions, visual, deepstack)
+
+    def forward(self, tokens: mx.array, cache: list) -> mx.array:
+        return self.vision.forward(tokens, cache, self)
+
+    def eval(self) -> None:
+        mx.eval([a for a in (self.embeds, self.positions, self.deepstack) if a is not None])
+
+
+class _ShiftedPositions:
+    """One layer's cache as the text model's attention sees it: its RoPE offset (`offset`) moved
+    by the prompt's position shift; storage, masks and everything else are the cache's own."""
+
+    def __init__(self, cache, shift: int):
+        self._cache, self._shift = cache, shift
+
+    @property
+    def offset(self):
+        return self._cache.offset + self._shift
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def set_position_shift(cache: list, shift: int) -> None:
+    """Positions from here on are the cache's length plus `shift` (an M-RoPE prompt with images)."""
+    for c in cache:
+        c.position_shift = shift
+
+
+def position_view(cache: list) -> list:
+    """The cache as a forward must see it: shifted where `set_position_shift` says so."""
+    shift = getattr(cache[0], "position_shift", 0) if cache else 0
+    return [_ShiftedPositions(c, shift) for c in cache] if shift else cache
 
 
 def image_spans(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:

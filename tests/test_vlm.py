@@ -72,9 +72,10 @@ def mlx_vlm_reference(vlm_dir, engine, messages, images: list[bytes], max_tokens
     pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     inputs = prepare_inputs(processor, images=pictures, prompts=text,
                             image_token_index=model.config.image_token_index)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     out = []
     for tok, _ in generate_step(inputs["input_ids"], model, inputs["pixel_values"], inputs["attention_mask"],
-                                max_tokens=max_tokens, temperature=0.0):
+                                max_tokens=max_tokens, temperature=0.0, **extra):  # Qwen: image_grid_thw
         if int(tok) in engine.target.eos_token_ids:
             break
         out.append(int(tok))

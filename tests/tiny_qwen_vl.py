@@ -1,0 +1,112 @@
+"""A tiny random Qwen3-VL built from mlx-vlm's own classes (M-RoPE positions, deepstack).
+
+Nothing is downloaded: a byte-level BPE tokenizer trained here with Qwen's special tokens and
+a chat template in the shape of Qwen's (an image part renders as
+<|vision_start|><|image_pad|><|vision_end|>), the image processor's config (images resized to
+64x64, 8-pixel patches merged 2x2: 16 tokens on a 4x4 grid each, so the text after an image
+sits 12 positions before its index), and random weights under mlx-vlm's parameter names, so
+that mlx_vlm.load and mlx_lm.load (the text model, vision weights dropped) both read it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+           "<|image_pad|>", "<|video_pad|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for item in message.content %}"
+    "{% if item.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item.type == 'text' %}{{ item.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TEXT = [
+    "Describe this picture. It shows a red square on a white background.\n",
+    "def area(w, h):\n    return w * h\n",
+    "The quick brown fox jumps over the lazy dog. What is in the image?\n",
+] * 20
+
+SIDE, PATCH, MERGE = 64, 8, 2
+IMAGE_TOKENS = (SIDE // PATCH // MERGE) ** 2  # 16 per image
+
+
+def build_tokenizer(out: Path, vocab_size: int = 320) -> tuple[int, dict]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXT, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096,
+    }, indent=1))
+    return tok.get_vocab_size(), {s: SPECIAL.index(s) for s in SPECIAL}
+
+
+def build_tiny_qwen3_vl(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 4.0) -> Path:
+    """A random Qwen3-VL directory (mlx-vlm's layout). `scale` sharpens the logits, so greedy
+    decoding isn't a coin-toss between near-equal ones."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, ids = build_tokenizer(out)
+    head_dim = hidden // 2
+    text = {
+        "model_type": "qwen3_vl_text", "hidden_size": hidden, "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": head_dim, "rms_norm_eps": 1e-6, "vocab_size": vocab, "rope_theta": 10_000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        # interleaved M-RoPE over (temporal, height, width): 16 frequency pairs
+        "rope_scaling": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+    }
+    vision = {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+              "out_hidden_size": hidden, "num_heads": 2, "patch_size": PATCH, "spatial_merge_size": MERGE,
+              "temporal_patch_size": 2, "num_position_embeddings": 64, "in_channels": 3,
+              "deepstack_visual_indexes": [0]}
+    config = {
+        "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+        "text_config": text, "vision_config": vision, "vocab_size": vocab, "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    pixels = SIDE * SIDE  # min = max: every image is resized to SIDE x SIDE
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
+        "min_pixels": pixels, "max_pixels": pixels, "size": {"shortest_edge": pixels, "longest_edge": pixels},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }, indent=1))
+    (out / "video_preprocessor_config.json").write_text(json.dumps({
+        "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
+        "size": {"shortest_edge": pixels, "longest_edge": pixels}}, indent=1))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=1))
+
+    from mlx_vlm.models import qwen3_vl
+
+    mx.random.seed(seed)
+    model = qwen3_vl.Model(qwen3_vl.ModelConfig.from_dict(config))
+    params = {k: v for k, v in tree_flatten(model.parameters()) if "rotary" not in k}
+    norm = "language_model.model.norm.weight"
+    params[norm] = mx.full(params[norm].shape, scale)
+    for name in list(params):  # the layers' outputs outweigh the embedding they add to
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            params[name] = params[name] * 4
+    mx.save_safetensors(str(out / "model.safetensors"), params)
+    return out
