@@ -1,9 +1,12 @@
-"""Vision-language targets (issue 17 item 4): a tiny random Gemma 3 VLM built from mlx-vlm's
-own classes (tests/tiny_vlm.py; real models, random weights, nothing downloaded).
+"""Vision-language targets (issue 17 item 4): a tiny random Gemma 3 VLM and a tiny random
+Qwen3-VL built from mlx-vlm's own classes (tests/tiny_vlm.py, tests/tiny_qwen_vl.py; real
+models, random weights, nothing downloaded).
 
 - Lossless: the engine's greedy output for a prompt with an image (plain decoding, and lookup
   drafting) equals mlx-vlm's own generate_step on the same ids and pixels, token for token.
 - Prefix cache: the same image and text hit; another image misses from its first token on.
+- Qwen3-VL (M-RoPE: 3-D positions for an image's tokens, text after it shifted; deepstack):
+  the same, over two turns with the prefix cache hitting past the image, and across a restart.
 - Server: image blocks through the real anthropic and openai clients (base64, data: URL, local
   file) reach the model; a remote URL is a 400 in the API's own shape.
 """
@@ -17,6 +20,7 @@ import pytest
 
 pytest.importorskip("mlx_vlm")  # installed by scripts/setup.sh (--no-deps)
 
+from tiny_qwen_vl import build_tiny_qwen3_vl  # noqa: E402
 from tiny_vlm import build_tiny_gemma3_vlm, tiny_image  # noqa: E402
 
 MAX = 24
@@ -294,3 +298,116 @@ def test_concurrent_image_requests_each_get_their_own_reply(engine, server):
         replies = list(pool.map(send, colors))
     assert expected["red"] != expected["blue"]
     assert replies == [expected[c] for c in colors]
+
+
+# -- Qwen3-VL: M-RoPE positions (3-D for an image's tokens, shifted after it) and deepstack -----
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"))
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_dir):
+    from engine import Engine
+
+    e = Engine(str(qwen_dir), prefill_chunk=16, max_batch=4)  # chunks cut through the image's tokens
+    yield e
+    e.close()
+
+
+def test_qwen3_vl_greedy_output_equals_mlx_vlm_generate(qwen, qwen_dir):
+    assert qwen.reads_images and qwen.image_marker == "<|vision_start|><|image_pad|><|vision_end|>"
+    messages, ids, images = ask(qwen, "What is in the image?", [RED])
+    ref_ids, ref = mlx_vlm_reference(qwen_dir, qwen, messages, [RED])
+    (start, end), = images.spans
+    assert ids == ref_ids and start // 16 != (end - 1) // 16  # a chunk boundary inside the image
+    assert images.position_shift < 0  # the text after the image sits before its index
+    qwen.drop_cache(disk=True)
+    plain = run(qwen, ids, images, mode="baseline")
+    qwen.drop_cache(disk=True)
+    lookup = run(qwen, ids, images, mode="lookup")
+    assert plain.token_ids == ref and lookup.token_ids == ref and len(ref) >= 8
+    assert lookup.stats.accepted_tokens > 0  # multi-token verify passes on the shifted positions
+
+    messages, ids, images = ask(qwen, "What is in the image?", [BLUE])
+    _, ref_blue = mlx_vlm_reference(qwen_dir, qwen, messages, [BLUE])
+    qwen.drop_cache(disk=True)
+    assert run(qwen, ids, images).token_ids == ref_blue != ref
+
+
+def test_qwen3_vl_two_turns_hit_the_prefix_cache_and_equal_mlx_vlm(qwen, qwen_dir):
+    """Turn 2 reuses turn 1's cache past the image (its positions derived again from the prompt);
+    a second image in turn 2 gets its own 3-D positions after the first image's shift."""
+    qwen.drop_cache(disk=True)
+    messages, ids, images = ask(qwen, "Describe the picture.", [RED])
+    first = run(qwen, ids, images)
+    assert first.token_ids == mlx_vlm_reference(qwen_dir, qwen, messages, [RED])[1]
+    history = [*messages, {"role": "assistant", "content": first.text}]
+
+    turn2 = [*history, {"role": "user", "content": "And its colour?"}]
+    ids2, images2 = qwen.render_chat_images(turn2, [RED])
+    second = run(qwen, ids2, images2)
+    assert second.stats.cached_tokens >= images.end
+    assert second.token_ids == mlx_vlm_reference(qwen_dir, qwen, turn2, [RED])[1]
+    again = run(qwen, ids2, images2)
+    assert again.stats.cached_tokens == len(ids2) - 1 and again.token_ids == second.token_ids
+
+    turn2b = [*history, {"role": "user", "content": "And this one?\n" + qwen.image_marker}]
+    ids3, images3 = qwen.render_chat_images(turn2b, [RED, BLUE])
+    third = run(qwen, ids3, images3)
+    assert len(images3.spans) == 2 and third.stats.cached_tokens >= images.end
+    assert third.token_ids == mlx_vlm_reference(qwen_dir, qwen, turn2b, [RED, BLUE])[1]
+
+
+def test_qwen3_vl_disk_tier_restores_a_prefix_past_the_image(qwen_dir, tmp_path):
+    from engine import Engine
+
+    kv = tmp_path / "kv"
+    with Engine(str(qwen_dir), prefix_cache_dir=str(kv)) as e:
+        messages, ids, images = ask(e, "Describe the picture.", [RED])
+        first = run(e, ids, images, max_tokens=8)
+    with Engine(str(qwen_dir), prefix_cache_dir=str(kv)) as e:
+        turn2 = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "More?"}]
+        ids2, images2 = e.render_chat_images(turn2, [RED])
+        restored = run(e, ids2, images2)
+        assert restored.stats.cached_tokens >= images.end
+        assert restored.token_ids == mlx_vlm_reference(qwen_dir, e, turn2, [RED])[1]
+
+
+def test_qwen3_vl_image_requests_through_the_clients(qwen):
+    """anthropic (base64, sent twice: the second reads the cache) and openai (data: URL), four
+    openai requests at once with --max-batch 4 (shifted caches verify alone): each reply its image's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import anthropic
+    import openai
+
+    from agent_bridge.server import create_app
+    from server_harness import RunningServer
+
+    with RunningServer(create_app(qwen)) as srv:
+        a = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(RED).decode()}}
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "What is in the image?"}, block]}]
+        r = a.messages.create(model="m", max_tokens=MAX, messages=msgs)
+        assert r.content[0].text == reference_reply(qwen, "What is in the image?", [RED], MAX)
+        again = a.messages.create(model="m", max_tokens=MAX, messages=msgs)
+        assert again.usage.cache_read_input_tokens > 0 and again.content[0].text == r.content[0].text
+
+        o = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+        def send(color: str) -> str:
+            data = base64.b64encode(RED if color == "red" else BLUE).decode()
+            reply = o.chat.completions.create(model="m", max_tokens=MAX, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is in the image?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
+            return reply.choices[0].message.content
+
+        expected = {c: reference_reply(qwen, "What is in the image?", [RED if c == "red" else BLUE], MAX)
+                    for c in ("red", "blue")}
+        assert expected["red"] == r.content[0].text != expected["blue"]
+        colors = ["red", "blue", "blue", "red"]
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(send, colors)) == [expected[c] for c in colors]
