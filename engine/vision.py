@@ -103,11 +103,12 @@ class Vision:
         self.model = model
         self.processor = load_processor(model_dir, add_detokenizer=False)
         self._lock = threading.Lock()  # its fast tokenizer fails when two threads use it at once
-        self.image_token_id = int(model.config.image_token_index)
+        config = model.config
+        self.image_token_id = int(getattr(config, "image_token_index", None) or config.image_token_id)
         # what the chat template writes for an image: the processor expands it to the image's tokens
-        if self.mrope:
-            p = self.processor
-            self.image_marker = f"{p.vision_start_token}{p.image_token}{p.vision_end_token}"
+        if self.mrope:  # <|vision_start|><|image_pad|><|vision_end|>
+            marker = [config.vision_start_token_id, self.image_token_id, config.vision_end_token_id]
+            self.image_marker = "".join(self.processor.tokenizer.convert_ids_to_tokens(marker))
         else:
             self.image_marker = self.processor.boi_token
 

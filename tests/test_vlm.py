@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("mlx_vlm")  # installed by scripts/setup.sh (--no-deps)
 
-from tiny_qwen_vl import build_tiny_qwen3_vl  # noqa: E402
+from tiny_qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl  # noqa: E402
 from tiny_vlm import build_tiny_gemma3_vlm, tiny_image  # noqa: E402
 
 MAX = 24
@@ -75,7 +75,7 @@ def mlx_vlm_reference(vlm_dir, engine, messages, images: list[bytes], max_tokens
     text = chat_text(engine.tokenizer, messages)
     pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     inputs = prepare_inputs(processor, images=pictures, prompts=text,
-                            image_token_index=model.config.image_token_index)
+                            image_token_index=engine.vision.image_token_id)
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     out = []
     for tok, _ in generate_step(inputs["input_ids"], model, inputs["pixel_values"], inputs["attention_mask"],
@@ -411,3 +411,24 @@ def test_qwen3_vl_image_requests_through_the_clients(qwen):
         colors = ["red", "blue", "blue", "red"]
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(send, colors)) == [expected[c] for c in colors]
+
+
+def test_qwen2_5_vl_equals_mlx_vlm_over_two_turns(tmp_path):
+    """Qwen2.5-VL shares the path (M-RoPE in sections, no deepstack): lossless against mlx-vlm,
+    the image matters, and the second turn hits the cache past the image."""
+    from engine import Engine
+
+    model_dir = build_tiny_qwen2_5_vl(tmp_path / "m")
+    with Engine(str(model_dir), prefill_chunk=16) as e:
+        replies = {}
+        for name, image in (("red", RED), ("blue", BLUE)):
+            messages, ids, images = ask(e, "What is in the image?", [image])
+            replies[name] = run(e, ids, images)
+            assert replies[name].token_ids == mlx_vlm_reference(model_dir, e, messages, [image])[1]
+        assert replies["red"].token_ids != replies["blue"].token_ids and replies["red"].stats.accepted_tokens > 0
+        turn2 = [*messages, {"role": "assistant", "content": replies["blue"].text},
+                 {"role": "user", "content": "And its colour?"}]
+        ids2, images2 = e.render_chat_images(turn2, [BLUE])
+        second = run(e, ids2, images2)
+        assert second.stats.cached_tokens >= images.end
+        assert second.token_ids == mlx_vlm_reference(model_dir, e, turn2, [BLUE])[1]

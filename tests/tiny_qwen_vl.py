@@ -1,4 +1,5 @@
-"""A tiny random Qwen3-VL built from mlx-vlm's own classes (M-RoPE positions, deepstack).
+"""A tiny random Qwen3-VL or Qwen2.5-VL built from mlx-vlm's own classes (M-RoPE positions;
+Qwen3-VL's deepstack, Qwen2.5-VL's windowed vision attention).
 
 Nothing is downloaded: a byte-level BPE tokenizer trained here with Qwen's special tokens and
 a chat template in the shape of Qwen's (an image part renders as
@@ -59,36 +60,55 @@ def build_tokenizer(out: Path, vocab_size: int = 320) -> tuple[int, dict]:
     return tok.get_vocab_size(), {s: SPECIAL.index(s) for s in SPECIAL}
 
 
-def build_tiny_qwen3_vl(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 4.0) -> Path:
-    """A random Qwen3-VL directory (mlx-vlm's layout). `scale` sharpens the logits, so greedy
-    decoding isn't a coin-toss between near-equal ones."""
+def build_tiny_qwen3_vl(out: Path, seed: int = 0, **kw) -> Path:
+    return build_tiny_qwen_vl(out, "qwen3_vl", seed, **kw)
+
+
+def build_tiny_qwen2_5_vl(out: Path, seed: int = 0, **kw) -> Path:
+    return build_tiny_qwen_vl(out, "qwen2_5_vl", seed, **kw)
+
+
+def build_tiny_qwen_vl(out: Path, kind: str, seed: int = 0, hidden: int = 64, layers: int = 2,
+                       scale: float = 4.0) -> Path:
+    """A random Qwen-VL directory of model type `kind` (mlx-vlm's layout). `scale` sharpens the
+    logits, so greedy decoding isn't a coin-toss between near-equal ones."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab, ids = build_tokenizer(out)
     head_dim = hidden // 2
     text = {
-        "model_type": "qwen3_vl_text", "hidden_size": hidden, "intermediate_size": hidden * 2,
+        "model_type": f"{kind}_text", "hidden_size": hidden, "intermediate_size": hidden * 2,
         "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
         "head_dim": head_dim, "rms_norm_eps": 1e-6, "vocab_size": vocab, "rope_theta": 10_000.0,
         "max_position_embeddings": 4096, "tie_word_embeddings": False,
         # interleaved M-RoPE over (temporal, height, width): 16 frequency pairs
         "rope_scaling": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True},
     }
-    vision = {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+    vision = {"model_type": kind, "depth": 2, "hidden_size": 32, "intermediate_size": 64,
               "out_hidden_size": hidden, "num_heads": 2, "patch_size": PATCH, "spatial_merge_size": MERGE,
-              "temporal_patch_size": 2, "num_position_embeddings": 64, "in_channels": 3,
-              "deepstack_visual_indexes": [0]}
-    config = {
-        "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
-        "text_config": text, "vision_config": vision, "vocab_size": vocab, "tie_word_embeddings": False,
+              "temporal_patch_size": 2, "in_channels": 3}
+    if kind == "qwen3_vl":
+        vision |= {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
+    else:  # Qwen2.5-VL: windowed attention in the vision blocks but the last
+        vision |= {"window_size": 2 * PATCH * MERGE, "fullatt_block_indexes": [1]}
+    ids_config = {
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
     }
+    architecture = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    if kind == "qwen3_vl":
+        config = {"model_type": kind, "architectures": [architecture[kind]], "text_config": text,
+                  "vision_config": vision, "vocab_size": vocab, "tie_word_embeddings": False, **ids_config}
+    else:  # Qwen2.5-VL checkpoints keep the text model's settings at the top level
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [6, 5, 5]}
+        config = {**text, "model_type": kind, "architectures": [architecture[kind]], "vision_config": vision,
+                  **ids_config}
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    processor = {"qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[kind]
     pixels = SIDE * SIDE  # min = max: every image is resized to SIDE x SIDE
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
         "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
         "min_pixels": pixels, "max_pixels": pixels, "size": {"shortest_edge": pixels, "longest_edge": pixels},
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
@@ -96,12 +116,17 @@ def build_tiny_qwen3_vl(out: Path, seed: int = 0, hidden: int = 64, layers: int 
     (out / "video_preprocessor_config.json").write_text(json.dumps({
         "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
         "size": {"shortest_edge": pixels, "longest_edge": pixels}}, indent=1))
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=1))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": processor}, indent=1))
 
-    from mlx_vlm.models import qwen3_vl
+    import importlib
 
+    from mlx_vlm.utils import update_module_configs
+
+    family = importlib.import_module(f"mlx_vlm.models.{kind}")
+    loaded = {"text_config": {}, **json.loads(json.dumps(config))}  # the config as mlx_vlm.load reads it
+    model_config = update_module_configs(family.ModelConfig.from_dict(loaded), family, loaded, ["text", "vision"])
     mx.random.seed(seed)
-    model = qwen3_vl.Model(qwen3_vl.ModelConfig.from_dict(config))
+    model = family.Model(model_config)
     params = {k: v for k, v in tree_flatten(model.parameters()) if "rotary" not in k}
     norm = "language_model.model.norm.weight"
     params[norm] = mx.full(params[norm].shape, scale)
