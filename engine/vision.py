@@ -33,7 +33,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import InvalidRequestError
 
@@ -91,7 +92,7 @@ class Vision:
         if self.mrope:
             # mlx-vlm's text model prefills image prompts (3-D positions, deepstack) on the
             # target's own weights: its lazily loaded copies are replaced before they are read.
-            model.language_model.load_weights(tree_flatten(target.model.language_model.parameters()), strict=False)
+            share_modules(model.language_model, target.model.language_model)
         else:
             # The text model is the target's: mlx-vlm's copy is dropped before its weights are read.
             model.language_model = target.model.language_model
@@ -216,6 +217,17 @@ def position_view(cache: list) -> list:
     """The cache as a forward must see it: shifted where `set_position_shift` says so."""
     shift = getattr(cache[0], "position_shift", 0) if cache else 0
     return [_ShiftedPositions(c, shift) for c in cache] if shift else cache
+
+
+def share_modules(into: nn.Module, source: nn.Module) -> None:
+    """Put `source`'s layers (linears, norms, embeddings: quantised, dequantized or not) in
+    place of `into`'s at the same paths, so both models run on one copy of the weights."""
+    leaves = lambda m: dict(tree_flatten(m.leaf_modules(), is_leaf=nn.Module.is_module))  # noqa: E731
+    mine, theirs = leaves(into), leaves(source)
+    into.update_modules(tree_unflatten([(path, theirs[path]) for path in mine if path in theirs]))
+    unshared = [path for path, m in leaves(into).items() if path not in theirs and m.parameters()]
+    if any(not path.endswith(("rotary_emb", "rope")) for path in unshared):
+        log.warning("images: %s keep weights of their own", ", ".join(unshared))
 
 
 def image_spans(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:

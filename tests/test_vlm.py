@@ -432,3 +432,19 @@ def test_qwen2_5_vl_equals_mlx_vlm_over_two_turns(tmp_path):
         second = run(e, ids2, images2)
         assert second.stats.cached_tokens >= images.end
         assert second.token_ids == mlx_vlm_reference(model_dir, e, turn2, [BLUE])[1]
+
+
+@pytest.mark.parametrize("dequantize", ["1", "0"])
+def test_a_quantized_qwen3_vl_shares_the_targets_layers(tmp_path, monkeypatch, dequantize):
+    """An 8-bit checkpoint, run dequantized (the CPU default for a small model) or quantised:
+    mlx-vlm's text model prefills on the target's own layers, and the output equals mlx-vlm's."""
+    from engine import Engine
+
+    monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", dequantize)
+    model_dir = build_tiny_qwen3_vl(tmp_path / "m", bits=8)
+    with Engine(str(model_dir), prefill_chunk=16) as e:
+        ours, theirs = e.target.model.language_model.model, e.vision.model.language_model.model
+        assert ours.layers[0].self_attn.q_proj is theirs.layers[0].self_attn.q_proj
+        assert ours.embed_tokens is theirs.embed_tokens
+        messages, ids, images = ask(e, "What is in the image?", [BLUE])
+        assert run(e, ids, images).token_ids == mlx_vlm_reference(model_dir, e, messages, [BLUE])[1]

@@ -69,9 +69,10 @@ def build_tiny_qwen2_5_vl(out: Path, seed: int = 0, **kw) -> Path:
 
 
 def build_tiny_qwen_vl(out: Path, kind: str, seed: int = 0, hidden: int = 64, layers: int = 2,
-                       scale: float = 4.0) -> Path:
+                       scale: float = 4.0, bits: int | None = None) -> Path:
     """A random Qwen-VL directory of model type `kind` (mlx-vlm's layout). `scale` sharpens the
-    logits, so greedy decoding isn't a coin-toss between near-equal ones."""
+    logits, so greedy decoding isn't a coin-toss between near-equal ones. `bits`: the text
+    model's linears and embeddings quantised, as in mlx-community's checkpoints."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab, ids = build_tokenizer(out)
@@ -127,11 +128,17 @@ def build_tiny_qwen_vl(out: Path, kind: str, seed: int = 0, hidden: int = 64, la
     model_config = update_module_configs(family.ModelConfig.from_dict(loaded), family, loaded, ["text", "vision"])
     mx.random.seed(seed)
     model = family.Model(model_config)
+    norm = model.language_model.model.norm
+    norm.weight = mx.full(norm.weight.shape, scale)
+    for layer in model.language_model.model.layers:  # the layers' outputs outweigh the embedding they add to
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 4
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 4
+    if bits:
+        import mlx.nn as nn
+
+        nn.quantize(model.language_model, group_size=32, bits=bits)
+        config["quantization"] = {"group_size": 32, "bits": bits}
+        (out / "config.json").write_text(json.dumps(config, indent=1))
     params = {k: v for k, v in tree_flatten(model.parameters()) if "rotary" not in k}
-    norm = "language_model.model.norm.weight"
-    params[norm] = mx.full(params[norm].shape, scale)
-    for name in list(params):  # the layers' outputs outweigh the embedding they add to
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            params[name] = params[name] * 4
     mx.save_safetensors(str(out / "model.safetensors"), params)
     return out
