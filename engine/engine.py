@@ -41,7 +41,7 @@ from .sampling import SamplingParams
 from .stops import TextAssembler
 from .target import Target, load_target
 from .verify import Round, prefill, speculative_rounds
-from .vision import PromptImages, Vision, load_vision, position_view, set_position_shift
+from .vision import PromptImages, Vision, load_vision, position_view, prefill_chunks, set_position_shift
 
 DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/draft_control.py)
 MAX_ENGINE_CORPUS_DOCS = 64
@@ -503,19 +503,19 @@ class Engine:
                 raise InvalidRequestError(f"mode {mode!r}: drafter heads don't read image prompts yet; use lookup")
             embeddings = self.vision.features(prompt, images)[cached : len(prompt) - 1]
             embeddings.eval()  # once: the chunks below slice it
-        for start in range(0, len(to_prefill), self.prefill_chunk):  # a chunk per step
+        for start, stop in prefill_chunks(len(to_prefill), self.prefill_chunk, embeddings):  # a chunk per step
             yield
             prefill(
                 target,
                 cache,
-                to_prefill[start : start + self.prefill_chunk],
-                chunk_size=self.prefill_chunk,
+                to_prefill[start:stop],
+                chunk_size=stop - start,
                 cancelled=lambda: job.cancelled,
                 on_hidden=getattr(drafter, "observe_prefill", None),
                 tap_layers=drafter.tap_layers if drafter is not None else (),
-                embeddings=None if embeddings is None else embeddings[start : start + self.prefill_chunk],
+                embeddings=None if embeddings is None else embeddings[start:stop],
             )
-            job.prefilled = cached + min(start + self.prefill_chunk, len(to_prefill))
+            job.prefilled = cached + stop
             job.emit(PrefillProgress(job.prefilled, len(prompt)))
         stats.prefilled_tokens = len(to_prefill) + 1
         if self.prefix_cache is not None:  # models with recurrent/window layers resume only at checkpoints

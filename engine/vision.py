@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 # Families whose images reach the model. gemma3's positions are plain 1-D (a token's position
 # is the cache's length); the Qwen-VL families' are M-RoPE (3-D for image tokens, shifted after).
 MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-SUPPORTED = ("gemma3", *MROPE)
+# Gemma 4: an image's tokens attend to each other both ways, so an image is never cut by a
+# prefill chunk (`prefill_chunks`) and the chunk's mask lets its image tokens see each other.
+BIDIRECTIONAL = ("gemma4",)
+SUPPORTED = ("gemma3", *MROPE, *BIDIRECTIONAL)
 KEY_SPACE = 2**31 - 1  # hash-derived key ids stay below this (the disk tier stores int32 ids)
 MAX_IMAGES = 32
 
@@ -88,11 +91,15 @@ class Vision:
         self._prepare_inputs = prepare_inputs
         self.target = target
         model = load_model(model_dir, lazy=True)
-        self.mrope = model.config.model_type in MROPE
-        if self.mrope:
-            # mlx-vlm's text model prefills image prompts (3-D positions, deepstack) on the
-            # target's own weights: its lazily loaded copies are replaced before they are read.
+        kind = model.config.model_type
+        self.mrope, self.bidirectional = kind in MROPE, kind in BIDIRECTIONAL
+        if self.mrope or self.bidirectional:
+            # mlx-vlm's text model prefills image prompts (3-D positions, deepstack; image tokens
+            # seeing each other, per-layer inputs) on the target's own layers: its lazily loaded
+            # copies are replaced before they are read.
             share_modules(model.language_model, target.model.language_model)
+            if self.bidirectional:
+                see_image_blocks_both_ways(model.language_model.model)
         else:
             # The text model is the target's: mlx-vlm's copy is dropped before its weights are read.
             model.language_model = target.model.language_model
@@ -110,6 +117,8 @@ class Vision:
         if self.mrope:  # <|vision_start|><|image_pad|><|vision_end|>
             marker = [config.vision_start_token_id, self.image_token_id, config.vision_end_token_id]
             self.image_marker = "".join(self.processor.tokenizer.convert_ids_to_tokens(marker))
+        elif self.bidirectional:  # the processor writes <|image> soft tokens <image|> in its place
+            self.image_marker = self.processor.image_token
         else:
             self.image_marker = self.processor.boi_token
 
@@ -144,6 +153,10 @@ class Vision:
         """The prompt's inputs with the images' features merged in (sliced per prefill chunk)."""
         x = mx.array([ids], dtype=mx.int32)
         out = self.model.get_input_embeddings(x, mask=mx.ones(x.shape, dtype=mx.int32), **images.inputs)
+        if self.bidirectional:
+            per_layer = getattr(out, "per_layer_inputs", None)
+            return ImageFeatures(self, out.inputs_embeds[0], visual=np.array(x[0] == self.image_token_id),
+                                 per_layer=None if per_layer is None else per_layer[0])
         if not self.mrope:
             return ImageFeatures(self, out.inputs_embeds[0])
         deepstack = getattr(out, "deepstack_visual_embeds", None)
@@ -153,9 +166,15 @@ class Vision:
 
     def forward(self, tokens: mx.array, cache: list, features: ImageFeatures) -> mx.array:
         """Logits (len(tokens), vocab) for a prefill chunk fed its image-merged inputs."""
+        lm = self.model.language_model
+        if self.bidirectional:
+            kinds = mx.array(features.visual.astype(np.int32))[None] if features.visual.any() else None
+            per_layer = None if features.per_layer is None else features.per_layer[None]
+            h = lm.model(None, inputs_embeds=features.embeds[None], cache=cache, per_layer_inputs=per_layer,
+                         mm_token_type_ids=kinds)  # 1 marks an image's tokens
+            return lm.logits_from_hidden(h)[0]
         if not self.mrope:
             return self.target.model(tokens[None], cache=cache, input_embeddings=features.embeds[None])[0]
-        lm = self.model.language_model
         extra = {}
         if features.deepstack is not None and features.visual.any():
             extra = {"visual_pos_masks": mx.array(features.visual)[None],
@@ -172,24 +191,68 @@ class ImageFeatures:
     vision: Vision = field(repr=False)
     embeds: mx.array  # (n, hidden)
     positions: mx.array | None = None  # (3, n) M-RoPE positions; None: the cache's own 1-D ones
-    visual: np.ndarray | None = None  # (n,) bool: image positions (Qwen3-VL's deepstack adds to them)
+    visual: np.ndarray | None = None  # (n,) bool: image positions (deepstack; Gemma 4's blocks)
     deepstack: mx.array | None = None  # (layers, visual positions, hidden)
+    per_layer: mx.array | None = None  # (n, layers, per-layer width): Gemma 4's per-layer inputs
 
     def __getitem__(self, part: slice) -> ImageFeatures:
         start, stop, _ = part.indices(self.embeds.shape[0])
         visual = deepstack = None
         if self.visual is not None:
             visual = self.visual[start:stop]
+        if self.deepstack is not None:
             before = int(self.visual[:start].sum())
             deepstack = self.deepstack[:, before : before + int(visual.sum())]
         positions = None if self.positions is None else self.positions[:, start:stop]
-        return ImageFeatures(self.vision, self.embeds[start:stop], positions, visual, deepstack)
+        per_layer = None if self.per_layer is None else self.per_layer[start:stop]
+        return ImageFeatures(self.vision, self.embeds[start:stop], positions, visual, deepstack, per_layer)
+
+    def whole_images(self) -> list[tuple[int, int]]:
+        """[start, stop) of each image that one prefill chunk must hold whole (Gemma 4)."""
+        if not self.vision.bidirectional:
+            return []
+        return image_spans(self.visual.tolist(), True)
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array:
         return self.vision.forward(tokens, cache, self)
 
     def eval(self) -> None:
-        mx.eval([a for a in (self.embeds, self.positions, self.deepstack) if a is not None])
+        mx.eval([a for a in (self.embeds, self.positions, self.deepstack, self.per_layer) if a is not None])
+
+
+def prefill_chunks(total: int, size: int, features: ImageFeatures | None = None) -> list[tuple[int, int]]:
+    """[start, stop) of each prefill chunk of `total` tokens: `size` each, except that a chunk
+    which would end inside an image that must be read whole ends after it instead."""
+    whole = features.whole_images() if features is not None else []
+    chunks, start = [], 0
+    while start < total:
+        stop = min(start + size, total)
+        stop = max([stop, *(min(end, total) for first, end in whole if first < stop < end)])
+        chunks.append((start, stop))
+        start = stop
+    return chunks
+
+
+def see_image_blocks_both_ways(text_model: nn.Module) -> None:
+    """Gemma 4's image tokens attend to every token of their own image. mlx-vlm's text model
+    builds that mask only for a whole prompt read from position 0 (a square mask); this makes
+    it for any chunk, after a cached prefix too: the chunk's own keys are the mask's last columns."""
+    make_masks = text_model._make_masks
+
+    def masks(h, cache, mm_token_type_ids=None):
+        out = make_masks(h, cache, mm_token_type_ids)
+        if mm_token_type_ids is None or h.shape[1] < 2:
+            return out
+        n = h.shape[1]
+        block = text_model._block_sequence_ids_for_mask(mm_token_type_ids)
+        same = ((block[..., :, None] != -1) & (block[..., :, None] == block[..., None, :]))[:, None]
+        fixed = []
+        for m in out:  # arrays: mlx-vlm makes them so for a chunk with image tokens
+            m = mx.broadcast_to(m, (*same.shape[:-1], m.shape[-1]))
+            fixed.append(mx.concatenate([m[..., :-n], m[..., -n:] | same], axis=-1))
+        return fixed
+
+    text_model._make_masks = masks
 
 
 class _ShiftedPositions:

@@ -7,6 +7,8 @@ models, random weights, nothing downloaded).
 - Prefix cache: the same image and text hit; another image misses from its first token on.
 - Qwen3-VL (M-RoPE: 3-D positions for an image's tokens, text after it shifted; deepstack):
   the same, over two turns with the prefix cache hitting past the image, and across a restart.
+- Gemma 4 (an image's tokens attend to each other both ways; per-layer inputs): prefill chunks
+  never cut an image, and the cache they leave equals mlx-vlm's whole-prompt forward.
 - Server: image blocks through the real anthropic and openai clients (base64, data: URL, local
   file) reach the model; a remote URL is a 400 in the API's own shape.
 """
@@ -21,7 +23,7 @@ import pytest
 pytest.importorskip("mlx_vlm")  # installed by scripts/setup.sh (--no-deps)
 
 from tiny_qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl  # noqa: E402
-from tiny_vlm import build_tiny_gemma3_vlm, tiny_image  # noqa: E402
+from tiny_vlm import build_tiny_gemma3_vlm, build_tiny_gemma4_vlm, tiny_image  # noqa: E402
 
 MAX = 24
 
@@ -448,3 +450,83 @@ def test_a_quantized_qwen3_vl_shares_the_targets_layers(tmp_path, monkeypatch, d
         assert ours.embed_tokens is theirs.embed_tokens
         messages, ids, images = ask(e, "What is in the image?", [BLUE])
         assert run(e, ids, images).token_ids == mlx_vlm_reference(model_dir, e, messages, [BLUE])[1]
+
+
+
+# -- Gemma 4: an image's tokens attend to each other both ways -----------------------------------
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory):
+    return build_tiny_gemma4_vlm(tmp_path_factory.mktemp("tiny-gemma4-vlm"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def gemma4(gemma4_dir):
+    from engine import Engine
+
+    e = Engine(str(gemma4_dir), prefill_chunk=8)  # 8-token chunks would cut the 12-token image
+    yield e
+    e.close()
+
+
+def test_gemma4_prefill_chunks_leave_mlx_vlms_cache(gemma4):
+    """Chunked from 8 tokens a chunk, after a cached prefix: the keys and values equal those of
+    mlx-vlm's own forward over the whole prompt from position 0 (its bidirectional image block)."""
+    import mlx.core as mx
+
+    from engine.verify import prefill
+    from engine.vision import prefill_chunks
+
+    _, ids, images = ask(gemma4, "What is in the image?", [RED])
+    (start, end), = images.spans
+    chunks = prefill_chunks(len(ids), 8, features := gemma4.vision.features(ids, images))
+    assert any(a <= start and end <= b for a, b in chunks) and start // 8 != (end - 1) // 8
+    assert all(b - a == 8 for a, b in chunks[:-1] if b <= start or a >= end)  # other chunks as asked
+    cache = gemma4.target.make_cache()
+    for a, b in chunks:
+        prefill(gemma4.target, cache, ids[a:b], chunk_size=b - a, embeddings=features[a:b])
+    whole = gemma4.target.make_cache()
+    gemma4.vision.model.language_model.model(
+        None, inputs_embeds=features.embeds[None], cache=whole, per_layer_inputs=features.per_layer[None],
+        mm_token_type_ids=mx.array(features.visual.astype("int32"))[None])
+    n = len(ids)
+    for ours, theirs in zip(cache, whole):
+        for x, y in zip(ours.state[:2], theirs.state[:2]):
+            assert mx.allclose(x[..., :n, :], y[..., :n, :], atol=1e-5), type(ours).__name__
+
+
+def test_gemma4_greedy_output_equals_mlx_vlm_generate(gemma4, gemma4_dir):
+    assert gemma4.reads_images and gemma4.image_marker == "<|image|>"
+    replies = {}
+    for name, image in (("red", RED), ("blue", BLUE)):
+        messages, ids, images = ask(gemma4, "What is in the image?", [image])
+        ref_ids, ref = mlx_vlm_reference(gemma4_dir, gemma4, messages, [image])
+        assert ids == ref_ids
+        gemma4.drop_cache(disk=True)
+        assert run(gemma4, ids, images, mode="baseline").token_ids == ref and len(ref) >= 8
+        gemma4.drop_cache(disk=True)
+        replies[name] = run(gemma4, ids, images, mode="lookup")
+        assert replies[name].token_ids == ref
+    assert replies["red"].token_ids != replies["blue"].token_ids
+
+    # the next turn reuses the cache past the image and still equals mlx-vlm
+    turn2 = [*messages, {"role": "assistant", "content": replies["blue"].text},
+             {"role": "user", "content": "And its colour?"}]
+    ids2, images2 = gemma4.render_chat_images(turn2, [BLUE])
+    second = run(gemma4, ids2, images2)
+    assert second.stats.cached_tokens >= images.end
+    assert second.token_ids == mlx_vlm_reference(gemma4_dir, gemma4, turn2, [BLUE])[1]
+
+
+def test_gemma4_image_through_the_openai_client(gemma4):
+    import openai
+
+    from agent_bridge.server import create_app
+    from server_harness import RunningServer
+
+    with RunningServer(create_app(gemma4)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="m", max_tokens=MAX, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in the image?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(RED).decode()}}]}])
+        assert r.choices[0].message.content == reference_reply(gemma4, "What is in the image?", [RED], MAX)

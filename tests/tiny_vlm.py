@@ -124,3 +124,85 @@ def tiny_image(color: tuple[int, int, int] = (200, 30, 30), size: tuple[int, int
     img = Image.new("RGB", size, color)
     img.paste(tuple(255 - c for c in color), (5, 5, 20, 20))
     return img
+
+
+# -- Gemma 4: an image's tokens attend to each other both ways (use_bidirectional_attention) ----
+
+GEMMA4_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                  "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>", "<|video|>"]
+
+GEMMA4_TEMPLATE = CHAT_TEMPLATE.replace("<start_of_image>", "<|image|>")
+
+
+def build_tiny_gemma4_vlm(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 4.0,
+                          per_layer_input: int = 8) -> Path:
+    """A random Gemma 4 VLM directory (mlx-vlm's layout): bidirectional attention over each
+    image's tokens, per-layer inputs, alternating sliding and full attention layers. Images are
+    resized to fit 16 soft tokens (8-pixel patches pooled 2x2): a 40x30 image gets 12."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=GEMMA4_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(out / "tokenizer.json"))
+    ids = {s: GEMMA4_SPECIAL.index(s) for s in GEMMA4_SPECIAL}
+    vocab = tok.get_vocab_size()
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "extra_special_tokens": {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                                 "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
+                                 "video_token": "<|video|>"},
+        "chat_template": GEMMA4_TEMPLATE, "model_max_length": 4096, "processor_class": "Gemma4Processor",
+    }, indent=1))
+    text = {
+        "model_type": "gemma4_text", "hidden_size": hidden, "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": hidden // 2, "global_head_dim": hidden // 2, "vocab_size": vocab,
+        "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": per_layer_input,
+        "num_kv_shared_layers": 0, "sliding_window": 512, "sliding_window_pattern": 2,
+        "layer_types": (["sliding_attention", "full_attention"] * layers)[:layers],
+        "use_bidirectional_attention": "vision", "use_double_wide_mlp": False,
+        "max_position_embeddings": 4096, "final_logit_softcapping": 30.0,
+        "rope_parameters": {  # Gemma 4's own (mlx-lm's and mlx-vlm's defaults differ)
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0, "rope_type": "proportional"},
+            "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10_000.0, "rope_type": "default"}},
+    }
+    vision = {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16,
+              "patch_size": 8, "pooling_kernel_size": 2, "position_embedding_size": 64,
+              "default_output_length": 16}
+    config = {
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text, "vision_config": vision, "audio_config": None, "vocab_size": vocab,
+        "hidden_size": hidden, "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"],
+        "eoi_token_id": ids["<image|>"], "audio_token_id": ids["<|audio|>"], "boa_token_id": ids["<|audio>"],
+        "eoa_token_id": ids["<audio|>"], "video_token_id": ids["<|video|>"], "pad_token_id": ids["<pad>"],
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]], "vision_soft_tokens_per_image": 16,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma4Processor",
+        "image_processor": {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 8,
+                            "max_soft_tokens": 16, "pooling_kernel_size": 2},
+    }, indent=1))
+
+    from mlx_vlm.models import gemma4
+    from mlx_vlm.utils import update_module_configs
+
+    loaded = json.loads(json.dumps(config))  # the config as mlx_vlm.load reads it
+    model_config = update_module_configs(gemma4.ModelConfig.from_dict(loaded), gemma4, loaded, ["text", "vision"])
+    mx.random.seed(seed)
+    model = gemma4.Model(model_config)
+    params = {k: v for k, v in tree_flatten(model.parameters()) if "rotary" not in k}
+    for name in params:  # sharper logits; the layers' outputs outweigh the embedding they add to
+        if name == "language_model.model.norm.weight" or name.endswith(("post_attention_layernorm.weight",
+                                                                        "post_feedforward_layernorm.weight")):
+            params[name] = params[name] * scale
+    mx.save_safetensors(str(out / "model.safetensors"), params)
+    return out
