@@ -115,8 +115,10 @@ class Vision:
         self.image_token_id = int(getattr(config, "image_token_index", None) or config.image_token_id)
         # what the chat template writes for an image: the processor expands it to the image's tokens
         if self.mrope:  # <|vision_start|><|image_pad|><|vision_end|>
-            marker = [config.vision_start_token_id, self.image_token_id, config.vision_end_token_id]
-            self.image_marker = "".join(self.processor.tokenizer.convert_ids_to_tokens(marker))
+            tokens = self.processor.tokenizer.convert_ids_to_tokens([config.vision_start_token_id, self.image_token_id])
+            end = getattr(config, "vision_end_token_id", None)  # Qwen2-VL's config doesn't name it
+            end = "<|vision_end|>" if end is None else self.processor.tokenizer.convert_ids_to_tokens(end)
+            self.image_marker = "".join([*tokens, end])
         elif self.bidirectional:  # the processor writes <|image> soft tokens <image|> in its place
             self.image_marker = self.processor.image_token
         else:

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("mlx_vlm")  # installed by scripts/setup.sh (--no-deps)
 
-from tiny_qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl  # noqa: E402
+from tiny_qwen_vl import build_tiny_qwen3_vl, build_tiny_qwen_vl  # noqa: E402
 from tiny_vlm import build_tiny_gemma3_vlm, build_tiny_gemma4_vlm, tiny_image  # noqa: E402
 
 MAX = 24
@@ -415,12 +415,13 @@ def test_qwen3_vl_image_requests_through_the_clients(qwen):
             assert list(pool.map(send, colors)) == [expected[c] for c in colors]
 
 
-def test_qwen2_5_vl_equals_mlx_vlm_over_two_turns(tmp_path):
-    """Qwen2.5-VL shares the path (M-RoPE in sections, no deepstack): lossless against mlx-vlm,
-    the image matters, and the second turn hits the cache past the image."""
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen2_vl"])
+def test_qwen2_and_2_5_vl_equal_mlx_vlm_over_two_turns(tmp_path, kind):
+    """Qwen2-VL and Qwen2.5-VL share the path (M-RoPE in sections, no deepstack): lossless
+    against mlx-vlm, the image matters, and the second turn hits the cache past the image."""
     from engine import Engine
 
-    model_dir = build_tiny_qwen2_5_vl(tmp_path / "m")
+    model_dir = build_tiny_qwen_vl(tmp_path / "m", kind)
     with Engine(str(model_dir), prefill_chunk=16) as e:
         replies = {}
         for name, image in (("red", RED), ("blue", BLUE)):
@@ -516,6 +517,17 @@ def test_gemma4_greedy_output_equals_mlx_vlm_generate(gemma4, gemma4_dir):
     second = run(gemma4, ids2, images2)
     assert second.stats.cached_tokens >= images.end
     assert second.token_ids == mlx_vlm_reference(gemma4_dir, gemma4, turn2, [BLUE])[1]
+
+
+def test_gemma4_with_kv_shared_layers_equals_mlx_vlm(tmp_path):
+    """The last two of four layers read earlier layers' keys and values (Gemma 4 E2B/E4B)."""
+    from engine import Engine
+
+    model_dir = build_tiny_gemma4_vlm(tmp_path / "m", seed=1, layers=4, kv_shared_layers=2)
+    with Engine(str(model_dir), prefill_chunk=8) as e:
+        assert len(e.target.make_cache()) == 2
+        messages, ids, images = ask(e, "What is in the image?", [BLUE])
+        assert run(e, ids, images).token_ids == mlx_vlm_reference(model_dir, e, messages, [BLUE])[1]
 
 
 def test_gemma4_image_through_the_openai_client(gemma4):

@@ -1,5 +1,5 @@
-"""A tiny random Qwen3-VL or Qwen2.5-VL built from mlx-vlm's own classes (M-RoPE positions;
-Qwen3-VL's deepstack, Qwen2.5-VL's windowed vision attention).
+"""A tiny random Qwen3-VL, Qwen2.5-VL or Qwen2-VL built from mlx-vlm's own classes (M-RoPE
+positions; Qwen3-VL's deepstack, Qwen2.5-VL's windowed vision attention).
 
 Nothing is downloaded: a byte-level BPE tokenizer trained here with Qwen's special tokens and
 a chat template in the shape of Qwen's (an image part renders as
@@ -68,6 +68,10 @@ def build_tiny_qwen2_5_vl(out: Path, seed: int = 0, **kw) -> Path:
     return build_tiny_qwen_vl(out, "qwen2_5_vl", seed, **kw)
 
 
+def build_tiny_qwen2_vl(out: Path, seed: int = 0, **kw) -> Path:
+    return build_tiny_qwen_vl(out, "qwen2_vl", seed, **kw)
+
+
 def build_tiny_qwen_vl(out: Path, kind: str, seed: int = 0, hidden: int = 64, layers: int = 2,
                        scale: float = 4.0, bits: int | None = None) -> Path:
     """A random Qwen-VL directory of model type `kind` (mlx-vlm's layout). `scale` sharpens the
@@ -90,23 +94,26 @@ def build_tiny_qwen_vl(out: Path, kind: str, seed: int = 0, hidden: int = 64, la
               "temporal_patch_size": 2, "in_channels": 3}
     if kind == "qwen3_vl":
         vision |= {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
-    else:  # Qwen2.5-VL: windowed attention in the vision blocks but the last
+    elif kind == "qwen2_5_vl":  # windowed attention in the vision blocks but the last
         vision |= {"window_size": 2 * PATCH * MERGE, "fullatt_block_indexes": [1]}
+    else:  # Qwen2-VL names its vision width embed_dim (hidden_size is the text model's)
+        vision |= {"embed_dim": 32, "hidden_size": hidden, "mlp_ratio": 2}
     ids_config = {
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
     }
-    architecture = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    architecture = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                    "qwen2_vl": "Qwen2VLForConditionalGeneration"}
     if kind == "qwen3_vl":
         config = {"model_type": kind, "architectures": [architecture[kind]], "text_config": text,
                   "vision_config": vision, "vocab_size": vocab, "tie_word_embeddings": False, **ids_config}
-    else:  # Qwen2.5-VL checkpoints keep the text model's settings at the top level
+    else:  # Qwen2/2.5-VL checkpoints keep the text model's settings at the top level
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [6, 5, 5]}
         config = {**text, "model_type": kind, "architectures": [architecture[kind]], "vision_config": vision,
                   **ids_config}
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    processor = {"qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[kind]
+    processor = {"qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}[kind]
     pixels = SIDE * SIDE  # min = max: every image is resized to SIDE x SIDE
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
