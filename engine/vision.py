@@ -4,7 +4,7 @@ The text model is the mlx-lm model the engine runs anyway (mlx-lm reads a VLM ch
 language model and drops its vision weights). mlx-vlm's model class adds the vision tower and
 projector, sharing the text model's embedding table, and mlx-vlm's processor turns a rendered
 prompt and its images into input ids and pixel values. A prompt with images is prefilled from
-the merged input embeddings (`Vision.embeddings`); everything after it (decoding, drafting,
+the merged input embeddings (`Vision.features`); everything after it (decoding, drafting,
 rollback) runs on the text model and its cache as for any prompt.
 
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL place tokens by M-RoPE: an image's tokens take 3-D positions
@@ -14,6 +14,11 @@ images. Their prompt is prefilled by mlx-vlm's own text model (it takes the 3-D 
 Qwen3-VL's deepstack features), on the target's weights and cache; after it, the mlx-lm text model
 runs as for any prompt, its RoPE offset moved by the shift (`set_position_shift`). For text-only
 positions (t = h = w) M-RoPE is plain RoPE, so that is the same model.
+
+Gemma 4's image tokens attend to every token of their own image, later ones too. Its prompt is
+prefilled by mlx-vlm's Gemma 4 text model on the target's layers (with its per-layer inputs), each
+image whole in one chunk (`prefill_chunks`), the chunk's mask opened within each image
+(`see_image_blocks_both_ways`); text after it is causal, so decoding runs on mlx-lm's model.
 
 The prefix cache keys such a prompt by its ids with each image's tokens replaced by ids derived
 from the image's hash (`PromptImages.key`): the same image and text hit, another image misses.
@@ -32,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import InvalidRequestError
