@@ -532,6 +532,20 @@ def test_gemma4_with_kv_shared_layers_equals_mlx_vlm(tmp_path):
         assert run(e, ids, images).token_ids == mlx_vlm_reference(model_dir, e, messages, [BLUE])[1]
 
 
+def test_gemma4_sliding_window_shorter_than_an_image(tmp_path):
+    """An 8-token window, a 12-token image, a 70-token prompt: the sliding layers' caches rotate,
+    and the image's tokens still see each other (as in mlx-vlm), in 8-token chunks or one."""
+    from engine import Engine
+
+    model_dir = build_tiny_gemma4_vlm(tmp_path / "m", seed=1, sliding_window=8)
+    text = "What is in the image? Answer in detail please, the whole picture."
+    for chunk in (8, 64):
+        with Engine(str(model_dir), prefill_chunk=chunk) as e:
+            messages, ids, images = ask(e, text, [BLUE])
+            assert len(ids) > 64 and images.spans[0][1] - images.spans[0][0] > 8
+            assert run(e, ids, images).token_ids == mlx_vlm_reference(model_dir, e, messages, [BLUE])[1]
+
+
 def test_gemma4_image_through_the_openai_client(gemma4):
     import openai
 

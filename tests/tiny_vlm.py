@@ -135,7 +135,7 @@ GEMMA4_TEMPLATE = CHAT_TEMPLATE.replace("<start_of_image>", "<|image|>")
 
 
 def build_tiny_gemma4_vlm(out: Path, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 4.0,
-                          per_layer_input: int = 8, kv_shared_layers: int = 0) -> Path:
+                          per_layer_input: int = 8, kv_shared_layers: int = 0, sliding_window: int = 512) -> Path:
     """A random Gemma 4 VLM directory (mlx-vlm's layout): bidirectional attention over each
     image's tokens, per-layer inputs, alternating sliding and full attention layers. Images are
     resized to fit 16 soft tokens (8-pixel patches pooled 2x2): a 40x30 image gets 12.
@@ -166,7 +166,7 @@ def build_tiny_gemma4_vlm(out: Path, seed: int = 0, hidden: int = 64, layers: in
         "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
         "head_dim": hidden // 2, "global_head_dim": hidden // 2, "vocab_size": vocab,
         "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": per_layer_input,
-        "num_kv_shared_layers": kv_shared_layers, "sliding_window": 512, "sliding_window_pattern": 2,
+        "num_kv_shared_layers": kv_shared_layers, "sliding_window": sliding_window, "sliding_window_pattern": 2,
         "layer_types": (["sliding_attention", "full_attention"] * layers)[:layers],
         "use_bidirectional_attention": "vision", "use_double_wide_mlp": False,
         "max_position_embeddings": 4096, "final_logit_softcapping": 30.0,
