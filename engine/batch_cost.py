@@ -1,8 +1,7 @@
 """The batch cost surface: what one verify forward of b sequences, each w tokens wide, costs here.
 
 Measured through the scheduler's own batched forward (engine/batch_verify.py: the
-sequences' caches merged, one forward, each cache cut back out), so the per-round copy of
-each sequence's KV is in the price. Cached as JSON beside the width curve, under the same
+sequences' rows of one persistent BatchCache, engine/batch_cache.py, in one forward). Cached as JSON beside the width curve, under the same
 key (engine/cost_curve.py). Three readers:
 
 - the draft controller, while several sequences decode: what a draft costs relative to a
@@ -25,9 +24,12 @@ from typing import Callable
 
 from .cost_curve import cache_dir, curve_key, curve_path, write_json
 
+# 2: measured through the persistent BatchCache. Surfaces of 1 priced a per-round KV copy that
+# no longer happens (they undersold batching): measured again.
+SURFACE_VERSION = 2
 BATCHES = (1, 2, 4, 8)
 WIDTHS = (1, 2, 4, 8, 16, 32)
-DEPTH = 1024  # context per sequence; the KV copy of a batched round grows with it
+DEPTH = 1024  # context per sequence (attention's share of a forward grows with it)
 REPEATS = 3
 # What `--max-batch auto` and `doctor` measure when nothing is cached (seconds on a CPU);
 # `mlx-dspark tune` measures the full grid.
@@ -140,7 +142,7 @@ class BatchSurface:
     def to_dict(self) -> dict:
         return {"key": self.key, "batches": self.batches, "widths": self.widths, "seconds": self.seconds,
                 "depth": self.depth, "measured": self.measured, "measured_at": self.measured_at,
-                "measure_s": self.measure_s}
+                "measure_s": self.measure_s, "version": SURFACE_VERSION}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BatchSurface":
@@ -166,12 +168,13 @@ def measure_batch_surface(
 ) -> BatchSurface:
     """Time the scheduler's batched forward for each batch size and width (median of
     `repeats` whole sweeps), every sequence at `depth` tokens of random context. Where the
-    scheduler can't merge the caches (quantised, rotating, recurrent layers) only batch 1 is
+    scheduler can't batch the caches (quantised, rotating, recurrent layers) only batch 1 is
     measured: nothing is batched, so the surface says so (widest batched width 0, factor 1)."""
     import mlx.core as mx
     import numpy as np
 
-    from .batch_verify import Forward, batchable, run_forwards
+    from .batch_cache import BatchCache, joinable
+    from .batch_verify import Forward, run_forwards
     from .kv_segments import fresh_cache
     from .rollback import mark, take_back
 
@@ -190,15 +193,19 @@ def measure_batch_surface(
             target.forward(context[s:s + 512], cache)
             mx.eval([c.state for c in cache])
         caches.append(cache)
-        if not batchable(Forward([0], cache)):
+        if not joinable(cache):
             batches = [1]
     draws = {w: rng.integers(0, target.vocab_size, size=w).tolist() for w in widths}
     passes = {(b, w): [] for b in batches for w in widths}
     total, done = len(passes) * repeats, 0
     for sweep in range(repeats + 1):  # sweep 0 warms every shape up
         for b in batches:
+            group = caches[:b]
+            store = BatchCache()  # the rows as the engine holds them (joined once, not per forward)
+            for c in group:
+                if joinable(c):
+                    store.join(c)
             for w in widths:
-                group = caches[:b]
                 before = [mark(c) for c in group]
                 forwards = [Forward(draws[w], c) for c in group]
                 t0 = time.perf_counter()
@@ -212,6 +219,9 @@ def measure_batch_surface(
                     done += 1
                     if on_progress:
                         on_progress(f"batch {b} width {w} pass {sweep}/{repeats}", done, total)
+            for c in group:
+                if store.owns(c):
+                    store.leave(c)
     rows = []
     for b in batches:
         row = [statistics.median(passes[(b, w)]) for w in widths]
@@ -230,8 +240,11 @@ def measure_batch_surface(
 def load_batch_surface(key: dict) -> BatchSurface | None:
     """The cached surface for exactly this key, or None."""
     try:
-        surface = BatchSurface.from_dict(json.loads(surface_path(key).read_text()))
+        d = json.loads(surface_path(key).read_text())
+        surface = BatchSurface.from_dict(d)
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if d.get("version") != SURFACE_VERSION:
         return None
     return surface if surface.key == key and surface.measured else None
 
