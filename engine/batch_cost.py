@@ -86,7 +86,7 @@ class BatchSurface:
         1 (or unmeasured)."""
         if batch <= 1 or not self.measured:
             return 1.0
-        own = lambda w: (self.step_seconds(batch, w) if w <= self.max_batched_width()  # noqa: E731
+        own = lambda w: (self.step_seconds(batch, w) if self.is_batched(w)  # noqa: E731
                          else batch * self.step_seconds(1, w))
         return (own(width) / own(1)) / (self.step_seconds(1, width) / self.step_seconds(1, 1))
 
@@ -110,6 +110,13 @@ class BatchSurface:
         for, the median over measured batch sizes (wider forwards run alone); 0 where even plain
         steps don't gain."""
         return self._widest if self.measured else DEFAULT_MAX_BATCHED_WIDTH
+
+    def is_batched(self, width: int) -> bool:
+        """Is a width-`width` forward batched? Up to `max_batched_width`; and past the widest
+        measured width where that one still batches (a 17-token verbatim copy beside a surface
+        measured to 16: what pays at 16 pays at 17)."""
+        widest = self.max_batched_width()
+        return width <= widest or (self.measured and widest == self.widths[-1])
 
     def best_max_batch(self, gain: float = BATCH_GAIN) -> int:
         """The largest measured batch whose aggregate tokens per forward-second beats every

@@ -56,7 +56,7 @@ def run_forwards(target: Target, forwards: list[Forward], surface: BatchSurface 
             groups.setdefault((id(store), tuple(f.taps)), (store, []))[1].append(f)
     batched = 0
     for store, group in groups.values():
-        together = group if surface is None else choose_batch(group, surface)
+        together = group if surface is None else choose_batch(group, surface, store.used)
         for f in group:
             if not any(f is t for t in together):
                 f.run(target)  # its row alone
@@ -68,20 +68,20 @@ def run_forwards(target: Target, forwards: list[Forward], surface: BatchSurface 
     return batched
 
 
-def choose_batch(group: list[Forward], surface: BatchSurface) -> list[Forward]:
-    """The forwards worth one batched forward. Only those up to the surface's widest batched
-    width: long drafts (refactors, copies) may keep the machine busy alone, and each batched
-    round copies the KV in and out (on CPU, batching them lost: 0.6x with 4 refactor streams,
-    while short drafts gained 2-2.7x). Among those, the narrowest n, n chosen to make the step
-    cheapest by the measured surface: a batch computes every row at its widest member's width,
-    so one long draft among short ones may be cheaper alone. Unmeasured: all that fit."""
-    fit = sorted((f for f in group if len(f.tokens) <= surface.max_batched_width()), key=lambda f: len(f.tokens))
+def choose_batch(group: list[Forward], surface: BatchSurface, rows: int | None = None) -> list[Forward]:
+    """The forwards worth one batched forward, `rows` being how many rows that forward computes
+    (a batch's every row: those without a forward compute padding; default: the group's size).
+    Only widths the surface says batch (long drafts may keep the machine busy alone). Among
+    those, the narrowest n, n chosen to make the step cheapest by the measured surface: the
+    batch computes every row at its widest member's width, so one long draft among short ones
+    may be cheaper alone. Unmeasured: all that fit."""
+    fit = sorted((f for f in group if surface.is_batched(len(f.tokens))), key=lambda f: len(f.tokens))
     if not surface.measured:
         return fit
     alone = [surface.step_seconds(1, len(f.tokens)) for f in fit]
     best_n, best = 1, sum(alone)
     for n in range(2, len(fit) + 1):
-        cost = surface.step_seconds(n, len(fit[n - 1].tokens)) + sum(alone[n:])
+        cost = surface.step_seconds(max(n, rows or 0), len(fit[n - 1].tokens)) + sum(alone[n:])
         if cost < best:
             best_n, best = n, cost
     return fit[:best_n] if best_n > 1 else []
