@@ -43,11 +43,15 @@ from mlx_lm.models.cache import KVCache, create_attention_mask
 GROW_TOKENS = 256  # capacity grows by at least this, and by a quarter of itself (amortised copies)
 
 
-def joinable(cache: list) -> bool:
+def joinable(target, cache: list) -> bool:
     """Only plain attention caches join (quantised, sliding-window and recurrent ones run alone),
-    and only once they hold something (the buffers take their shapes from it: a one-token prompt
-    runs alone)."""
-    return bool(cache) and all(type(c) is KVCache and c.keys is not None for c in cache)
+    only once they hold something (the buffers take their shapes from it: a one-token prompt
+    runs alone), and only for model families whose attention is known to take per-row RoPE
+    offsets and masks from its cache (those engine/target.py walks; others run alone)."""
+    from .target import TAPPABLE_FAMILIES
+
+    return (target.family in TAPPABLE_FAMILIES and bool(cache)
+            and all(type(c) is KVCache and c.keys is not None for c in cache))
 
 
 class BatchCache:
@@ -58,7 +62,8 @@ class BatchCache:
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         self.lengths = np.zeros((0, 0), dtype=np.int64)  # (rows, layers)
-        self.rows: list[tuple[object, list["RowCache"]] | None] = []  # per slot: (owner, views), or None
+        self.rows: list[tuple[object, list["RowCache"]]] = []  # per slot: (owner, its views)
+        self.failed = ""  # why a batched forward failed (its rows then run alone), else ""
 
     @property
     def used(self) -> int:
@@ -73,8 +78,8 @@ class BatchCache:
     def join(self, cache: list, owner: object = None) -> None:
         """Move a prefilled sequence's KV in: `cache` (its list of KVCaches) now holds its row's
         views, in place, so every holder of the list sees them."""
-        if not joinable(cache):
-            raise ValueError("only plain KVCache layers can join a batch")
+        if not cache or not all(type(c) is KVCache and c.keys is not None for c in cache):
+            raise ValueError("only filled plain KVCache layers can join a batch")
         if self.keys and len(cache) != len(self.keys):
             raise ValueError("a sequence of another model can't join this batch")
         if not self.keys:
@@ -112,7 +117,7 @@ class BatchCache:
     def drop(self, owner: object) -> None:
         """Free the row of `owner` (a job that ended without leaving: an error, a closed step)."""
         for slot, row in enumerate(self.rows):
-            if row is not None and row[0] is owner:
+            if row[0] is owner:
                 self._free(slot)
                 return
 
@@ -203,9 +208,12 @@ class _BatchLayer:
         return s.keys[i][:n, :, :end, :], s.values[i][:n, :, :end, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        end = int(self.starts.max()) + N
+        """(rows, 1, N, keys): row b's query i (at position start_b + i) sees keys 0..start_b + i
+        (within `window_size` of it, where the model has a window)."""
+        key_pos = mx.arange(int(self.starts.max()) + N)[None, None, None, :]
         query_pos = mx.array(self.starts.astype(np.int32))[:, None, None, None] + mx.arange(N)[None, None, :, None]
-        return mx.arange(end)[None, None, None, :] <= query_pos  # (rows, 1, N, end)
+        mask = key_pos <= query_pos
+        return mask if window_size is None else mask & (key_pos > query_pos - window_size)
 
 
 class RowCache:

@@ -200,7 +200,7 @@ def measure_batch_surface(
             target.forward(context[s:s + 512], cache)
             mx.eval([c.state for c in cache])
         caches.append(cache)
-        if not joinable(cache):
+        if not joinable(target, cache):
             batches = [1]
     draws = {w: rng.integers(0, target.vocab_size, size=w).tolist() for w in widths}
     passes = {(b, w): [] for b in batches for w in widths}
@@ -210,7 +210,7 @@ def measure_batch_surface(
             group = caches[:b]
             store = BatchCache()  # the rows as the engine holds them (joined once, not per forward)
             for c in group:
-                if joinable(c):
+                if joinable(target, c):
                     store.join(c)
             for w in widths:
                 before = [mark(c) for c in group]

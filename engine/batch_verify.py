@@ -17,6 +17,7 @@ except that a near-tie (top-two logits within rounding) may break the other way.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from .batch_cache import BatchCache, RowCache
@@ -60,11 +61,16 @@ def run_forwards(target: Target, forwards: list[Forward], surface: BatchSurface 
         for f in group:
             if not any(f is t for t in together):
                 f.run(target)  # its row alone
-        if len(together) > 1:
-            store.forward(target, together)
-            batched += len(together)
-        elif together:
-            together[0].run(target)
+        if len(together) > 1 and not store.failed:
+            try:
+                store.forward(target, together)
+                batched += len(together)
+                continue
+            except Exception as e:  # a model this batched forward doesn't fit: its rows run alone from now on
+                store.failed = f"{type(e).__name__}: {e}"
+                logging.getLogger(__name__).warning("batched verify failed, running sequences alone: %s", store.failed)
+        for f in together:
+            f.run(target)
     return batched
 
 

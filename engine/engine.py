@@ -525,7 +525,7 @@ class Engine:
             self.prefix_cache.checkpoint(key[:-1], cache)
         stats.prefill_s = time.perf_counter() - t0
 
-        if self.max_batch > 1 and mode != "baseline" and joinable(cache):
+        if self.max_batch > 1 and mode != "baseline" and joinable(target, cache):
             self._batch.join(cache, owner=job)  # its rounds' KV stays in the batch until it ends: no per-round copy
         controller = None
         if mode == "baseline":

@@ -165,3 +165,17 @@ def test_cancelled_or_failed_sequences_give_their_rows_back(tiny_model_dir, targ
         store.join(c, owner=owner)
     store.drop(owners[0])
     assert store.used == 1 and rows[1][0].slot == 0 and rows[0][0].store is None
+
+
+def test_a_batched_forward_that_fails_leaves_its_rows_running_alone(tiny_engine, tiny_model_dir, monkeypatch):
+    """A model the batched forward doesn't fit (it raises): the rows run alone, outputs unchanged."""
+    def unfit(self, target, forwards):
+        raise TypeError("this model's attention takes no per-row offsets")
+
+    monkeypatch.setattr(BatchCache, "forward", unfit)
+    ids = [tiny_engine.encode(p) for p in ("a b c a b c a b c a b", "The quick brown fox " * 8)]
+    expected = [tiny_engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")).result().token_ids for i in ids]
+    with Engine(str(tiny_model_dir), max_batch=2, prefix_cache=False) as engine:
+        jobs = [engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")) for i in ids]
+        assert [j.result().token_ids for j in jobs] == expected
+        assert engine.load()["batched_rounds"] == 0 and "per-row offsets" in engine._batch.failed
