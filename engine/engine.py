@@ -6,7 +6,10 @@ prefill chunks or decode rounds, or drops it from the queue.
 
 The engine thread runs up to `max_batch` jobs at once, a step each in turn (a prefill
 chunk or a decode round): a short request no longer waits for a long one to finish.
-Each job keeps its own cache and drafter, so its output is what it would be alone.
+Each job keeps its own cache and drafter, so its output is what it would be alone; with
+max_batch > 1 a decoding job's attention KV lives in a row of one persistent BatchCache
+(engine/batch_cache.py) from the end of its prefill to its end, so the decoding jobs'
+verify forwards run as one batched forward without copying any KV per round.
 """
 
 from __future__ import annotations
