@@ -1,8 +1,9 @@
 """The batch cost surface: what one verify forward of b sequences, each w tokens wide, costs here.
 
 Measured through the scheduler's own batched forward (engine/batch_verify.py: the
-sequences' rows of one persistent BatchCache, engine/batch_cache.py, in one forward). Cached as JSON beside the width curve, under the same
-key (engine/cost_curve.py). Three readers:
+sequences' rows of one persistent BatchCache, engine/batch_cache.py, in one forward).
+Cached as JSON beside the width curve, under the same key (engine/cost_curve.py). Three
+readers:
 
 - the draft controller, while several sequences decode: what a draft costs relative to a
   plain step *in a batch of b* (`factor`; engine/draft_control.py);
