@@ -1,9 +1,9 @@
 """The batch cost surface: what one verify forward of b sequences, each w tokens wide, costs here.
 
 Measured through the scheduler's own batched forward (engine/batch_verify.py: the
-sequences' caches merged, one forward, each cache cut back out), so the per-round copy of
-each sequence's KV is in the price. Cached as JSON beside the width curve, under the same
-key (engine/cost_curve.py). Three readers:
+sequences' rows of one persistent BatchCache, engine/batch_cache.py, in one forward).
+Cached as JSON beside the width curve, under the same key (engine/cost_curve.py). Three
+readers:
 
 - the draft controller, while several sequences decode: what a draft costs relative to a
   plain step *in a batch of b* (`factor`; engine/draft_control.py);
@@ -25,9 +25,12 @@ from typing import Callable
 
 from .cost_curve import cache_dir, curve_key, curve_path, write_json
 
+# 2: measured through the persistent BatchCache. Surfaces of 1 priced a per-round KV copy that
+# no longer happens (they undersold batching): measured again.
+SURFACE_VERSION = 2
 BATCHES = (1, 2, 4, 8)
 WIDTHS = (1, 2, 4, 8, 16, 32)
-DEPTH = 1024  # context per sequence; the KV copy of a batched round grows with it
+DEPTH = 1024  # context per sequence (attention's share of a forward grows with it)
 REPEATS = 3
 # What `--max-batch auto` and `doctor` measure when nothing is cached (seconds on a CPU);
 # `mlx-dspark tune` measures the full grid.
@@ -84,7 +87,7 @@ class BatchSurface:
         1 (or unmeasured)."""
         if batch <= 1 or not self.measured:
             return 1.0
-        own = lambda w: (self.step_seconds(batch, w) if w <= self.max_batched_width()  # noqa: E731
+        own = lambda w: (self.step_seconds(batch, w) if self.is_batched(w)  # noqa: E731
                          else batch * self.step_seconds(1, w))
         return (own(width) / own(1)) / (self.step_seconds(1, width) / self.step_seconds(1, 1))
 
@@ -108,6 +111,13 @@ class BatchSurface:
         for, the median over measured batch sizes (wider forwards run alone); 0 where even plain
         steps don't gain."""
         return self._widest if self.measured else DEFAULT_MAX_BATCHED_WIDTH
+
+    def is_batched(self, width: int) -> bool:
+        """Is a width-`width` forward batched? Up to `max_batched_width`; and past the widest
+        measured width where that one still batches (a 17-token verbatim copy beside a surface
+        measured to 16: what pays at 16 pays at 17)."""
+        widest = self.max_batched_width()
+        return width <= widest or (self.measured and widest == self.widths[-1])
 
     def best_max_batch(self, gain: float = BATCH_GAIN) -> int:
         """The largest measured batch whose aggregate tokens per forward-second beats every
@@ -140,7 +150,7 @@ class BatchSurface:
     def to_dict(self) -> dict:
         return {"key": self.key, "batches": self.batches, "widths": self.widths, "seconds": self.seconds,
                 "depth": self.depth, "measured": self.measured, "measured_at": self.measured_at,
-                "measure_s": self.measure_s}
+                "measure_s": self.measure_s, "version": SURFACE_VERSION}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BatchSurface":
@@ -166,12 +176,13 @@ def measure_batch_surface(
 ) -> BatchSurface:
     """Time the scheduler's batched forward for each batch size and width (median of
     `repeats` whole sweeps), every sequence at `depth` tokens of random context. Where the
-    scheduler can't merge the caches (quantised, rotating, recurrent layers) only batch 1 is
+    scheduler can't batch the caches (quantised, rotating, recurrent layers) only batch 1 is
     measured: nothing is batched, so the surface says so (widest batched width 0, factor 1)."""
     import mlx.core as mx
     import numpy as np
 
-    from .batch_verify import Forward, batchable, run_forwards
+    from .batch_cache import BatchCache, joinable
+    from .batch_verify import Forward, run_forwards
     from .kv_segments import fresh_cache
     from .rollback import mark, take_back
 
@@ -190,15 +201,19 @@ def measure_batch_surface(
             target.forward(context[s:s + 512], cache)
             mx.eval([c.state for c in cache])
         caches.append(cache)
-        if not batchable(Forward([0], cache)):
+        if not joinable(target, cache):
             batches = [1]
     draws = {w: rng.integers(0, target.vocab_size, size=w).tolist() for w in widths}
     passes = {(b, w): [] for b in batches for w in widths}
     total, done = len(passes) * repeats, 0
     for sweep in range(repeats + 1):  # sweep 0 warms every shape up
         for b in batches:
+            group = caches[:b]
+            store = BatchCache()  # the rows as the engine holds them (joined once, not per forward)
+            for c in group:
+                if joinable(target, c):
+                    store.join(c)
             for w in widths:
-                group = caches[:b]
                 before = [mark(c) for c in group]
                 forwards = [Forward(draws[w], c) for c in group]
                 t0 = time.perf_counter()
@@ -212,13 +227,19 @@ def measure_batch_surface(
                     done += 1
                     if on_progress:
                         on_progress(f"batch {b} width {w} pass {sweep}/{repeats}", done, total)
-    rows = []
-    for b in batches:
-        row = [statistics.median(passes[(b, w)]) for w in widths]
-        # Interference only ever adds time: a narrower pass slower than a wider one was disturbed.
-        for i in range(len(row) - 2, -1, -1):
-            row[i] = min(row[i], row[i + 1])
-        rows.append([round(s, 7) for s in row])
+            for c in group:
+                if store.owns(c):
+                    store.leave(c)
+    rows = [[statistics.median(passes[(b, w)]) for w in widths] for b in batches]
+    # Interference only ever adds time: a pass slower than a wider one, or than one of more
+    # sequences, was disturbed (on a loaded CPU one cell measured 947 ms beside 356 ms for twice the rows).
+    for j in range(len(rows) - 1, -1, -1):
+        row = rows[j]
+        for i in range(len(row) - 1, -1, -1):
+            wider = row[i + 1] if i + 1 < len(row) else row[i]
+            more = rows[j + 1][i] if j + 1 < len(rows) else row[i]
+            row[i] = min(row[i], wider, more)
+    rows = [[round(s, 7) for s in row] for row in rows]
     return BatchSurface(batches, widths, rows, depth=depth, key=dict(key or {}), measured=True,
                         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         measure_s=round(time.perf_counter() - t_start, 3))
@@ -230,8 +251,11 @@ def measure_batch_surface(
 def load_batch_surface(key: dict) -> BatchSurface | None:
     """The cached surface for exactly this key, or None."""
     try:
-        surface = BatchSurface.from_dict(json.loads(surface_path(key).read_text()))
+        d = json.loads(surface_path(key).read_text())
+        surface = BatchSurface.from_dict(d)
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if d.get("version") != SURFACE_VERSION:
         return None
     return surface if surface.key == key and surface.measured else None
 

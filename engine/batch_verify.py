@@ -2,24 +2,25 @@
 
 With `--max-batch` > 1 each decoding sequence's round hands its verify forward (the last
 token plus its draft) to the scheduler as a `Forward`; the scheduler runs a step's forwards
-together where the measured batch cost surface (engine/batch_cost.py) says that pays. Sequences have different depths and draft lengths: their caches are
-merged into mlx-lm's left-padded `BatchKVCache`, the inputs right-padded to the longest
-draft (a padded position comes after every real one, so causally no real token sees it),
-and each sequence's cache is cut back out afterwards, without the padding. Weights are read
-once for the batch instead of once per sequence: that is the throughput gain.
+together where the measured batch cost surface (engine/batch_cost.py) says that pays. The
+sequences' KV already lives in one persistent `BatchCache` (engine/batch_cache.py: joined
+once after prefill, a row each with its own length), so a batched round is one forward over
+the rows with the inputs right-padded to the longest draft (ragged drafts, verbatim copies
+included: a padded position comes after every real one, so causally no real token sees it,
+and it lies past its row's length afterwards) and no KV copy. Weights are read once for the
+batch instead of once per sequence: that is the throughput gain.
 
-Only plain `KVCache`s are merged (quantised, rotating and recurrent caches run alone), and
+Only plain `KVCache`s join a batch (quantised, rotating and recurrent caches run alone), and
 a batched matmul may round differently from a single row's: outputs equal running alone,
 except that a near-tie (top-two logits within rounding) may break the other way.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
-
+from .batch_cache import BatchCache, RowCache
 from .batch_cost import BatchSurface
 from .state_capture import bind, recording
 from .target import Target
@@ -43,68 +44,50 @@ class Forward:
         self.captured = bind(tape, self.cache, len(self.tokens))
 
 
-def batchable(f: Forward) -> bool:
-    # a cache whose positions are shifted (an M-RoPE image prompt, engine/vision.py) runs alone
-    return all(type(c) is KVCache and c.keys is not None and not getattr(c, "position_shift", 0) for c in f.cache)
-
-
 def run_forwards(target: Target, forwards: list[Forward], surface: BatchSurface | None = None) -> int:
-    """Run every forward: those that can share a batch (same taps), as `choose_batch` picks
-    them from the measured `surface`, together; the rest alone. Without a surface every
-    batchable forward joins (the surface's own measurement). Returns how many ran in a batch."""
-    groups: dict[tuple, list[Forward]] = {}
+    """Run every forward: those of one batch's rows (same taps), as `choose_batch` picks them
+    from the measured `surface`, in one batched forward; the rest alone. Without a surface every
+    row's forward joins (the surface's own measurement). Returns how many ran in a batch."""
+    groups: dict[tuple, tuple[BatchCache, list[Forward]]] = {}
     for f in forwards:
-        if batchable(f):
-            groups.setdefault(tuple(f.taps), []).append(f)
-        else:
+        store = f.cache[0].store if f.cache and isinstance(f.cache[0], RowCache) else None
+        if store is None:
             f.run(target)
+        else:
+            groups.setdefault((id(store), tuple(f.taps)), (store, []))[1].append(f)
     batched = 0
-    for group in groups.values():
-        together = group if surface is None else choose_batch(group, surface)
+    for store, group in groups.values():
+        together = group if surface is None else choose_batch(group, surface, store.used)
         for f in group:
             if not any(f is t for t in together):
-                f.run(target)
-        if len(together) > 1:
-            run_batched(target, together)
-            batched += len(together)
-        elif together:
-            together[0].run(target)
+                f.run(target)  # its row alone
+        if len(together) > 1 and not store.failed:
+            try:
+                store.forward(target, together)
+                batched += len(together)
+                continue
+            except Exception as e:  # a model this batched forward doesn't fit: its rows run alone from now on
+                store.failed = f"{type(e).__name__}: {e}"
+                logging.getLogger(__name__).warning("batched verify failed, running sequences alone: %s", store.failed)
+        for f in together:
+            f.run(target)
     return batched
 
 
-def choose_batch(group: list[Forward], surface: BatchSurface) -> list[Forward]:
-    """The forwards worth one batched forward. Only those up to the surface's widest batched
-    width: long drafts (refactors, copies) may keep the machine busy alone, and each batched
-    round copies the KV in and out (on CPU, batching them lost: 0.6x with 4 refactor streams,
-    while short drafts gained 2-2.7x). Among those, the narrowest n, n chosen to make the step
-    cheapest by the measured surface: a batch computes every row at its widest member's width,
-    so one long draft among short ones may be cheaper alone. Unmeasured: all that fit."""
-    fit = sorted((f for f in group if len(f.tokens) <= surface.max_batched_width()), key=lambda f: len(f.tokens))
+def choose_batch(group: list[Forward], surface: BatchSurface, rows: int | None = None) -> list[Forward]:
+    """The forwards worth one batched forward, `rows` being how many rows that forward computes
+    (a batch's every row: those without a forward compute padding; default: the group's size).
+    Only widths the surface says batch (long drafts may keep the machine busy alone). Among
+    those, the narrowest n, n chosen to make the step cheapest by the measured surface: the
+    batch computes every row at its widest member's width, so one long draft among short ones
+    may be cheaper alone. Unmeasured: all that fit."""
+    fit = sorted((f for f in group if surface.is_batched(len(f.tokens))), key=lambda f: len(f.tokens))
     if not surface.measured:
         return fit
     alone = [surface.step_seconds(1, len(f.tokens)) for f in fit]
     best_n, best = 1, sum(alone)
     for n in range(2, len(fit) + 1):
-        cost = surface.step_seconds(n, len(fit[n - 1].tokens)) + sum(alone[n:])
+        cost = surface.step_seconds(max(n, rows or 0), len(fit[n - 1].tokens)) + sum(alone[n:])
         if cost < best:
             best_n, best = n, cost
     return fit[:best_n] if best_n > 1 else []
-
-
-def run_batched(target: Target, group: list[Forward]) -> None:
-    width = max(len(f.tokens) for f in group)
-    tokens = mx.array([f.tokens + [0] * (width - len(f.tokens)) for f in group], dtype=mx.uint32)
-    n_layers = len(group[0].cache)
-    merged = [BatchKVCache.merge([f.cache[i] for f in group]) for i in range(n_layers)]
-    taps = group[0].taps
-    if taps:
-        logits, hidden = target.forward_tapped(tokens, merged, taps)
-    else:
-        logits, hidden = target.model(tokens, cache=merged), None
-    for b, f in enumerate(group):
-        pad = width - len(f.tokens)
-        for layer, own in zip(merged, f.cache):
-            cut = layer.extract(b)
-            own.keys, own.values, own.offset = cut.keys, cut.values, cut.offset - pad
-        n = len(f.tokens)
-        f.result = (logits[b, :n], None if hidden is None else hidden[b, :n])

@@ -6,7 +6,10 @@ prefill chunks or decode rounds, or drops it from the queue.
 
 The engine thread runs up to `max_batch` jobs at once, a step each in turn (a prefill
 chunk or a decode round): a short request no longer waits for a long one to finish.
-Each job keeps its own cache and drafter, so its output is what it would be alone.
+Each job keeps its own cache and drafter, so its output is what it would be alone; with
+max_batch > 1 a decoding job's attention KV lives in a row of one persistent BatchCache
+(engine/batch_cache.py) from the end of its prefill to its end, so the decoding jobs'
+verify forwards run as one batched forward without copying any KV per round.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from .batch_cache import BatchCache, joinable
 from .batch_cost import quick_surface, surface_for
 from .batch_verify import Forward, run_forwards
 from .draft_control import draft_controller
@@ -163,6 +167,7 @@ class Engine:
             raise ValueError(f"max_batch must be a whole number >= 1 or 'auto', not {max_batch!r}")
         self.max_batch = 1 if max_batch == "auto" else max_batch
         self.batched_rounds = 0  # sequence rounds verified in a batched forward
+        self._batch = BatchCache()  # the KV of every sequence that decodes batched (engine/batch_cache.py)
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[tuple[Job, Iterator[None]]] = []
@@ -429,6 +434,7 @@ class Engine:
             finished = EngineError(f"generation failed: {type(e).__name__}: {e}")
         if finished is not None:
             job.phase = "done"
+            self._batch.drop(job)  # its batch row, where it ended without leaving (an error)
             with self._lock:
                 self._running.remove((job, steps))
             job.emit(finished)
@@ -444,6 +450,7 @@ class Engine:
                 steps.close()
             self._running.clear()
             self._waiting.clear()
+            self._batch = BatchCache()
         for job in jobs:
             job.emit(error)
 
@@ -522,6 +529,8 @@ class Engine:
             self.prefix_cache.checkpoint(key[:-1], cache)
         stats.prefill_s = time.perf_counter() - t0
 
+        if self.max_batch > 1 and mode != "baseline" and joinable(target, cache):
+            self._batch.join(cache, owner=job)  # its rounds' KV stays in the batch until it ends: no per-round copy
         controller = None
         if mode == "baseline":
             rounds = plain_rounds(target, cache, prompt[-1], sampling)
@@ -610,6 +619,8 @@ class Engine:
         stats.generated_tokens = len(out)
         if not stats.ttft_s:
             stats.ttft_s = stats.wall_s
+        if self._batch.owns(cache):
+            self._batch.leave(cache)  # its KV back in plain KVCaches: for the prefix cache
         self._release_cache(committed, cache)
         return Done(finish, out, assembler.text, stats, stop_string=assembler.stop_string)
 

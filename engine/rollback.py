@@ -4,7 +4,7 @@ A verify pass appends `fed` tokens (the last committed token and the draft) to e
 layer's cache; when only the first `kept` of them are accepted, the rest must go, so
 that the next round sees exactly what plain decoding would have. Per layer type:
 
-- attention (KVCache, QuantizedKVCache, ConcatenateKVCache): cut the tail.
+- attention (KVCache, QuantizedKVCache, ConcatenateKVCache, a batched row's RowCache): cut the tail.
 - sliding window (RotatingKVCache): a multi-token update leaves the buffer in temporal
   order with the new tokens last, so the rejected ones are its last entries: drop them
   from the buffer. (mlx-lm's own trim only lowers the offset, so a later in-place
@@ -39,7 +39,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-_CUT = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+from .batch_cache import RowCache
+
+_CUT = (KVCache, QuantizedKVCache, ConcatenateKVCache, RowCache)  # RowCache: a batched row (engine/batch_cache.py)
 
 
 def leaves(cache: list):

@@ -1,12 +1,16 @@
 """`mlx-dspark benchmark --concurrency`'s figures, plus one that needs the HTTP server.
 
     python scripts/bench_concurrency.py [--model DIR] [--contents chat,refactor] [--concurrency 1,2,4]
+        [--dtype bfloat16] [--tune] [--json-file PATH] [--no-http]
 
 The concurrency rows (aggregate tokens/s and time to first token of N requests at once
 against the same N one at a time, identical outputs) are engine/concurrency_bench.py's, the
 same code `mlx-dspark benchmark --concurrency` runs. Added here: how soon a streaming client
 queued behind a long request gets its first byte (the opening event) and its first token,
 over HTTP, with --max-batch 1 and 4 (the test harness's server; `--no-http` skips it).
+With `--no-http` nothing imports starlette (a GPU machine without it can run this); `--tune`
+measures the verify cost curve and the batch cost surface first, as `mlx-dspark benchmark`
+does (cached under MLX_DSPARK_CACHE_DIR).
 
 On Linux run it with OpenBLAS preloaded, as scripts/test.sh does (the CLI does that itself):
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
@@ -15,6 +19,7 @@ LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -22,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Engine  # noqa: E402
-from engine.concurrency_bench import format_rows, run_concurrency  # noqa: E402
+from engine import Engine, describe_platform, surface_for, tune, tune_batch  # noqa: E402
+from engine.concurrency_bench import format_rows, row_line, run_concurrency  # noqa: E402
+from engine.cost_curve import device_name  # noqa: E402
 
 
 def bench_queued_first_byte(engine: Engine, max_batch: int) -> dict:
@@ -67,14 +73,30 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
     ap.add_argument("--no-http", action="store_true", help="skip the queued first-byte measurement")
+    ap.add_argument("--tune", action="store_true", help="measure the cost curve and batch surface first (if not cached)")
+    ap.add_argument("--json-file", default=None, help="also write the rows, the surface and the machine here")
     args = ap.parse_args()
-    print(f"load average: {os.getloadavg()}", flush=True)
+    load_start = os.getloadavg()
+    print(f"load average: {load_start}", flush=True)
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     with Engine(args.model, prefix_cache=False, dtype=args.dtype) as engine:
-        print(f"model: {engine.model_path}", flush=True)
+        print(f"model: {engine.model_path} ({engine.target.dtype})", flush=True)
+        if args.tune:
+            engine.call(lambda t: tune(t, on_progress=lambda what, i, n: progress(f"cost curve: {what} ({i}/{n})")))
+            engine.call(lambda t: tune_batch(t, on_progress=lambda what, i, n: progress(f"batch surface: {what} ({i}/{n})")))
+        surface = engine.call(lambda t: surface_for(t)).describe()
+        print(f"batch surface: measured {surface['measured']}, widest batched width {surface['max_batched_width']}, "
+              f"max batch (auto) {surface['max_batch']}", flush=True)
         levels = [int(c) for c in args.concurrency.split(",")]
         rows = run_concurrency(engine, args.contents.split(","), levels, args.trials, max_tokens=args.max_tokens or None,
-                               progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                               progress=progress, on_row=lambda r: print(row_line(r), flush=True))
         print(format_rows(rows), flush=True)
+        if args.json_file:
+            report = {"machine": {**describe_platform(), "device_name": engine.call(lambda t: device_name())},
+                      "model": engine.info(), "batch_surface": surface, "concurrency": rows,
+                      "load_average": {"start": load_start, "end": os.getloadavg()}}
+            Path(args.json_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_file).write_text(json.dumps(report, indent=1) + "\n")
         if not args.no_http:
             for b in (1, 4):
                 r = bench_queued_first_byte(engine, b)
