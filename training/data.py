@@ -402,13 +402,15 @@ MIX = {"rename": 0.60, "edit": 0.10, "rewrite": 0.08, "continue": 0.07, "code": 
 class RowBuilder:
     """Packs samples into rows of ``seq_len + 1`` tokens with a per-token loss mask.
 
+    With ``agent_frames`` (agent_data.py), a share of rows opens with one Claude Code session.
+
     A task sample is never split across rows; the space left at the end of a row is filled
     with raw code. Raw code / English carry loss on every token, task samples on the
     assistant reply only (``mask[t]`` says whether token t is a training target).
     """
 
     def __init__(self, tok, code_files, english_files, seq_len: int, seed: int, mix=MIX,
-                 min_lines=40, max_lines=300, retries=0):
+                 min_lines=40, max_lines=300, retries=0, agent_frames=None, agent_share=0.0):
         self.tok, self.code, self.eng = tok, code_files, english_files
         self.T = seq_len + 1
         self.rng = random.Random(seed)
@@ -418,6 +420,21 @@ class RowBuilder:
         self.min_lines, self.max_lines = min_lines, max_lines
         self.stats: dict[str, int] = {}
         self.retries = retries
+        self.agent_frames, self.agent_share = agent_frames, agent_share
+
+    def _agent(self):
+        """A Claude Code session (agent_data.py) that fits in a row, or None."""
+        import agent_data
+
+        for _ in range(16):
+            path, text = self.rng.choice(self.code)
+            segments = agent_data.make_session(self.agent_frames, path, text, self.rng)
+            if segments is None:
+                continue
+            ids, mask = agent_data.encode_segments(self.tok, segments)
+            if len(ids) < self.T:
+                return ids + [self.eot], mask + [0]
+        return None
 
     def _raw(self, files, n_tokens: int):
         path, text = self.rng.choice(files)
@@ -442,6 +459,11 @@ class RowBuilder:
     def row(self):
         ids, mask = [], []
         misses = 0
+        if self.agent_frames and self.rng.random() < self.agent_share:  # a session opens the row
+            r = self._agent()
+            if r is not None:
+                ids, mask = r
+                self.stats["agent"] = self.stats.get("agent", 0) + sum(mask)
         while len(ids) < self.T:
             room = self.T - len(ids)
             kind = self.rng.choices(self.kinds, self.weights)[0]

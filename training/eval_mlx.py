@@ -128,12 +128,13 @@ def main():
         if not ok and args.show_fail and got is not None:
             import difflib
             print("".join(list(difflib.unified_diff(want.splitlines(True), got.splitlines(True), n=0))[:20]))
-    res.update(
-        rename_n=args.n, rename_lines=[args.min_lines, args.max_lines],
-        rename_exact=exact / args.n, rename_token_match=sum(tok_match) / len(tok_match),
-        rename_prefix_match=sum(prefix_match) / len(prefix_match),
-        decode_tps_mean=sum(tps) / len(tps), gen_tokens=gen_tokens, gen_seconds=gen_time,
-    )
+    if done:  # --n 0: perplexity only
+        res.update(
+            rename_n=args.n, rename_lines=[args.min_lines, args.max_lines],
+            rename_exact=exact / args.n, rename_token_match=sum(tok_match) / len(tok_match),
+            rename_prefix_match=sum(prefix_match) / len(prefix_match),
+            decode_tps_mean=sum(tps) / len(tps), gen_tokens=gen_tokens, gen_seconds=gen_time,
+        )
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
+import agent_data  # noqa: E402
 import bpe  # noqa: E402
 import data  # noqa: E402
 
@@ -42,7 +43,8 @@ _W: dict = {}
 def _worker_rows(args):
     seed, n_rows = args
     rb = data.RowBuilder(_W["tok"], _W["code"], _W["eng"], _W["seq_len"], seed, mix=_W["mix"],
-                         min_lines=_W["min_lines"], max_lines=_W["max_lines"], retries=_W["retries"])
+                         min_lines=_W["min_lines"], max_lines=_W["max_lines"], retries=_W["retries"],
+                         agent_frames=_W["agent_frames"], agent_share=_W["agent_share"])
     ids = np.empty((n_rows, _W["seq_len"] + 1), np.int32)
     mask = np.empty((n_rows, _W["seq_len"] + 1), np.bool_)
     for i in range(n_rows):
@@ -118,6 +120,8 @@ def main():
                     help="qwen3_5: how the chunk's (I + A)^-1 is computed; auto times both on this device")
     ap.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="float32 for a stage whose export only initialises the next stage")
+    ap.add_argument("--agent-frames", help="frames JSON (agent_data.py frames): rows open with Claude Code sessions")
+    ap.add_argument("--agent-share", type=float, default=0.6, help="share of rows that open with a session")
     ap.add_argument("--log-every", type=int, default=25, help="steps between loss / tokens-per-second lines")
     args = ap.parse_args()
 
@@ -222,7 +226,10 @@ def main():
         mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
     stats["mix"] = mix
     _W.update(tok=tok, code=code, eng=eng, seq_len=args.seq_len, min_lines=args.min_lines, max_lines=args.max_lines,
-              mix=mix, retries=args.pack_retries)
+              mix=mix, retries=args.pack_retries, agent_share=args.agent_share,
+              agent_frames=agent_data.load_frames(args.agent_frames) if args.agent_frames else None)
+    if args.agent_frames:
+        stats.update(agent_frames=len(_W["agent_frames"]), agent_share=args.agent_share)
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
@@ -302,7 +309,18 @@ def main():
             x = torch.tensor([r[0] for r in rows], device=dev)
             m = torch.tensor([r[1] for r in rows], device=dev, dtype=torch.bool)
             stats[name] = model(x[:, :-1], targets=x[:, 1:], loss_mask=m[:, 1:]).item()
-    log("validation", {k: stats[k] for k in ("val_code_loss", "val_rename_loss")})
+        if _W["agent_frames"]:  # Claude Code sessions over held-out files: loss on the model's turns only
+            arng, losses = random.Random(997), []
+            while len(losses) < 4:
+                segments = agent_data.make_session(_W["agent_frames"], *arng.choice(val_code or code), arng)
+                if segments is None:
+                    continue
+                ids, mask = agent_data.encode_segments(tok, segments)
+                x = torch.tensor([ids], device=dev)
+                m = torch.tensor([mask], device=dev, dtype=torch.bool)
+                losses.append(model(x[:, :-1], targets=x[:, 1:], loss_mask=m[:, 1:]).item())
+            stats["val_agent_loss"] = sum(losses) / len(losses)
+    log("validation", {k: stats[k] for k in ("val_code_loss", "val_rename_loss", "val_agent_loss") if k in stats})
 
     # ---------------- export
     files = export_model(model, out, dtype=getattr(torch, args.export_dtype))

@@ -1,0 +1,86 @@
+"""The agent-format training data (training/agent_data.py) is the text the server feeds the model.
+
+The real Claude Code CLI renames two files against capture_sessions.py's recording server (the
+CLI runs offline); the captured requests are rendered through the server's own request parsing
+and chat template, and the sessions the training builder makes from the resulting frame must equal
+that rendering for every request (frame_from_session raises where they differ). Then random
+sessions from that frame: the trained spans are the model's three turns and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+
+import agent_data  # noqa: E402
+import data  # noqa: E402
+
+CLAUDE = ROOT / ".node" / "node_modules" / ".bin" / "claude"
+MODEL = ROOT / "engine" / "reference_model"
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory):
+    if not CLAUDE.exists():
+        pytest.skip(f"{CLAUDE} is absent: run scripts/setup.sh")
+    out = tmp_path_factory.mktemp("captures")
+    files = [str(ROOT / "engine" / "lookup.py"), str(ROOT / "engine" / "events.py")]
+    p = subprocess.run([sys.executable, str(ROOT / "training" / "capture_sessions.py"), "--out", str(out),
+                        "--files", *files], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("renamed on disk: True") == 2, p.stdout  # the CLI ran Read and Write
+    logs = sorted(out.glob("session-*.jsonl"))
+    assert [len(f.read_text().splitlines()) for f in logs] == [3, 3]
+    return agent_data.build_frames(out, MODEL)  # checks every request's rendering
+
+
+def test_frames_hold_fields_not_this_run(frames):
+    assert len(frames) == 1  # both sessions: the same CLI, the same prompt but for the fields
+    prompt = frames[0].prompt
+    for name in agent_data.FIELDS:
+        assert agent_data.field(name) in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert agent_data.field("PATH") in frames[0].write_result
+
+
+def test_sessions_train_the_three_turns_only(frames):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    text = (ROOT / "engine" / "radix_tree.py").read_text()
+    rng = random.Random(5)
+    forms = set()
+    for _ in range(40):
+        segments = agent_data.make_session(frames, "pkg/radix_tree.py", text, rng)
+        if segments is None:
+            continue
+        trained = [s for s, t in segments if t]
+        forms.add(trained[-1].startswith("<tool_call>"))
+        assert trained[0].startswith('<tool_call>\n{"name": "Read", "arguments": {"file_path": "/')
+        cwd = segments[0][0].split("Primary working directory: ", 1)[1].split("\n", 1)[0]
+        assert json.loads(trained[0].split("\n")[1][len('{"name": "Read", "arguments": '):-1])["file_path"].startswith(cwd + "/")
+        ids, mask = agent_data.encode_segments(tok, segments)
+        learned = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+        assert learned == "".join(trained)
+        if trained[-1].startswith('<tool_call>\n{"name": "Write"'):
+            call = json.loads(trained[-1][len("<tool_call>\n"):-len("\n</tool_call><|im_end|>")])
+            before = segments[2][0].split("<tool_response>\n", 1)[1].rsplit("\n</tool_response>", 1)[0]
+            original = "\n".join(line.split("\t", 1)[1] for line in before.split("\n"))
+            assert call["arguments"]["content"] != original
+            assert len(call["arguments"]["content"].splitlines()) >= len(original.splitlines()) - 1
+    assert forms == {True, False}  # both the Write form and the closing form occur
+
+
+def test_a_working_directory_must_be_copied():
+    rng = random.Random(0)
+    cwds = {agent_data.random_cwd(rng, "utils")[0] for _ in range(200)}
+    assert len(cwds) > 190
+    assert any(c.rstrip("/").endswith("utils") or "_utils" in c or "utils_" in c or "utils-" in c for c in cwds)
