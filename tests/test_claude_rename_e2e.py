@@ -138,3 +138,42 @@ def test_held_out_cases_are_training_data_renames():
         assert 30 <= len(c.text.splitlines()) <= 150
         assert c.expected == data.rename(c.text, c.old, c.new) != c.text
         assert c.new.isidentifier() and c.prompt == f"Rename {c.old} to {c.new} in {c.name}"
+
+
+# -- issue 16 item 3, with the real CLI: a turn ends at the CLI's max_tokens, and a loop ends early --
+
+def scripted_session(case, tmp_path, tmp_path_factory, reply: str, max_output_tokens: int | None = None):
+    from agent_bridge.server import create_app
+    from scripted_model import script_engine
+
+    model_dir = build_agent_sized_model(tmp_path_factory.mktemp("agent-sized-turn-end"))
+    with serve_engine(str(model_dir)) as engine:
+        script_engine(engine).set(reply)
+        with RunningServer(create_app(engine)) as srv:
+            return evaluation.run_session(case, srv.url, tmp_path / "session", timeout=300,
+                                          max_output_tokens=max_output_tokens)
+
+
+@real_cli
+def test_claude_code_max_tokens_ends_each_turn(case, cache_home, tmp_path, tmp_path_factory):
+    """CLAUDE_CODE_MAX_OUTPUT_TOKENS=48: the CLI's `max_tokens` cuts every reply at 48 tokens
+    (a reply of the file's own text, which never loops)."""
+    session = scripted_session(case, tmp_path, tmp_path_factory, case.text, max_output_tokens=48)
+    assert session.requests and not session.passed
+    for r in session.requests:
+        assert (r["generated"], r["finish"]) == (48, "length"), session.requests
+    assert case.text == (tmp_path / "session" / "project" / case.name).read_text()
+
+
+@real_cli
+def test_loop_guard_ends_a_looping_reply_under_claude_code(case, cache_home, tmp_path, tmp_path_factory):
+    """A model stuck in a loop, asked for Claude Code's 32,000 tokens: each reply ends once 256
+    tokens repeat one n-gram (as max_tokens, with the guard's note), so the session ends long
+    before the context is full."""
+    from engine.loop_guard import DEFAULT_WINDOW
+
+    session = scripted_session(case, tmp_path, tmp_path_factory, "Renaming now. " + "x = 1\n" * 4000)
+    assert session.requests and not session.passed
+    for r in session.requests:
+        assert r["finish"] == "length" and "loop guard" in r["note"], session.requests
+        assert r["generated"] < DEFAULT_WINDOW + 64, session.requests
