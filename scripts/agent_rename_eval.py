@@ -26,12 +26,14 @@ with the first differing line. The tool calls are read from the session transcri
 under HOME. Per request (the server's telemetry, GET /v1/telemetry/snapshot): prompt and cached
 tokens, time to first token (from the engine's start on the request), generated tokens, drafted
 and accepted tokens in all and by drafter (lookup, head), the finish and the engine's note (the
-loop guard's). A table at the end; `--json OUT` writes everything.
+loop guard's). A table at the end; `--json OUT` writes everything. `--capture DIR` records what the
+CLI sends (scripts/recording_proxy.py), one FILE.jsonl per session in the fixtures' format.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -199,9 +201,9 @@ def judge(case: Case, on_disk: str, calls: list[dict], is_error: bool | None, re
 
 
 def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claude: Path = CLAUDE,
-                max_output_tokens: int | None = None) -> Session:
+                max_output_tokens: int | None = None, cli_url: str | None = None) -> Session:
     """One `claude -p` rename in a fresh project (`workdir`/project) and HOME; judged, with the
-    server's per-request statistics."""
+    server's per-request statistics. The CLI talks to `cli_url` (a recording proxy) if given."""
     project, home = workdir / "project", workdir / "home"
     for d in (project, home):
         shutil.rmtree(d, ignore_errors=True)
@@ -214,7 +216,7 @@ def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claud
            "--allowedTools", "Read", "Write", "Edit", "--permission-mode", "acceptEdits"]
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, cwd=project, env=claude_env(url, home, max_output_tokens),
+        p = subprocess.run(cmd, cwd=project, env=claude_env(cli_url or url, home, max_output_tokens),
                            capture_output=True, text=True, timeout=timeout)
         out, err = p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
@@ -283,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="use this running server instead of starting one")
     ap.add_argument("--cache-dir", help="MLX_DSPARK_CACHE_DIR for the server (default: a fresh one)")
     ap.add_argument("--claude", default=str(CLAUDE), help="the Claude Code CLI (default: .node's)")
+    ap.add_argument("--capture", metavar="DIR",
+                    help="record what the CLI sends, one FILE.jsonl per session (keep it out of the repository)")
     ap.add_argument("--list", action="store_true", help="print the held-out cases and stop")
     ap.add_argument("--json", help="write the sessions and their requests here")
     args = ap.parse_args(argv)
@@ -304,15 +308,26 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="agent-rename-"))
     server, url = None, args.url
+    stack = contextlib.ExitStack()
     try:
         if url is None:
             cache_dir = Path(args.cache_dir) if args.cache_dir else work / "cache"
             print(f"starting mlx-dspark serve (cache {cache_dir}, log {work / 'serve.log'}) ...", flush=True)
             server, url = start_server(args.model, cache_dir, work / "serve.log")
         print(f"load average at start: {load_avg()}", flush=True)
+        proxy = None
+        if args.capture:
+            from recording_proxy import RecordingProxy
+
+            Path(args.capture).mkdir(parents=True, exist_ok=True)
+            proxy = stack.enter_context(RecordingProxy(url))
         sessions = []
         for c in cases:
-            s = run_session(c, url, work / "session", args.timeout, Path(args.claude), args.max_output_tokens)
+            if proxy is not None:
+                proxy.recorder.out = Path(args.capture) / f"{Path(c.rel).stem}.jsonl"
+                proxy.recorder.out.unlink(missing_ok=True)
+            s = run_session(c, url, work / "session", args.timeout, Path(args.claude), args.max_output_tokens,
+                            cli_url=proxy.url if proxy else None)
             sessions.append(s)
             print(f"{c.rel}: {'PASS' if s.passed else 'FAIL'} {s.why} ({s.wall_s:.1f} s, "
                   f"{len(s.requests)} requests, tools: {' '.join(s.tool_calls) or '-'})", flush=True)
@@ -325,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sessions": [asdict(s) for s in sessions]}, indent=1))
         return 0
     finally:
+        stack.close()
         if server is not None:
             server.stop()
         shutil.rmtree(work / "session", ignore_errors=True)

@@ -54,6 +54,12 @@ def case() -> evaluation.Case:
     return min(filter(defined, evaluation.held_out_cases()), key=lambda c: len(c.text))
 
 
+@pytest.fixture(scope="module")
+def agent_sized_model(tmp_path_factory) -> Path:
+    """A tiny model whose tokenizer makes Claude Code's prompt agent-sized (~24k tokens)."""
+    return build_agent_sized_model(tmp_path_factory.mktemp("agent-sized-rename"))
+
+
 def serve_engine(model: str):
     """An engine with `mlx-dspark serve`'s defaults (the loop guard on, the prefix cache on)."""
     from agent_bridge.commands.common import add_engine_args, engine_from_args
@@ -63,11 +69,14 @@ def serve_engine(model: str):
     return engine_from_args(parser.parse_args(["--model", model]), persistent=True)
 
 
-def rename_session(engine, case, tmp_path) -> evaluation.Session:
+def rename_session(engine, case, tmp_path, capture: Path | None = None) -> evaluation.Session:
+    """One session; with `capture`, the CLI goes through scripts/recording_proxy.py into that file."""
     from agent_bridge.server import create_app
+    from recording_proxy import RecordingProxy
 
-    with RunningServer(create_app(engine)) as srv:
-        return evaluation.run_session(case, srv.url, tmp_path / "session", timeout=480)
+    with RunningServer(create_app(engine)) as srv, RecordingProxy(srv.url, capture) as proxy:
+        return evaluation.run_session(case, srv.url, tmp_path / "session", timeout=480,
+                                      cli_url=proxy.url if capture else None)
 
 
 def check(session: evaluation.Session) -> None:
@@ -91,20 +100,27 @@ def test_bundled_model_renames_through_claude_code(case, cache_home, tmp_path):
 
 
 @real_cli
-def test_scripted_model_renames_through_claude_code(case, cache_home, tmp_path, tmp_path_factory):
+def test_scripted_model_renames_through_claude_code(case, cache_home, tmp_path, agent_sized_model):
     from scripted_model import script_engine
 
-    model_dir = build_agent_sized_model(tmp_path_factory.mktemp("agent-sized-rename"))
     path = str(tmp_path / "session" / "project" / case.name)  # where run_session puts the file
     read = {"name": "Read", "arguments": {"file_path": path}}
     write = {"name": "Write", "arguments": {"file_path": path, "content": case.expected}}
-    with serve_engine(str(model_dir)) as engine:
+    with serve_engine(str(agent_sized_model)) as engine:
         script = script_engine(engine)
         script.set(*(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in (read, write)),
                    f"Renamed {case.old} to {case.new} in {case.name}.")
-        session = rename_session(engine, case, tmp_path)
+        session = rename_session(engine, case, tmp_path, capture=tmp_path / "capture.jsonl")
     check(session)
     assert session.tool_calls == ["Read", "Write"], session.tool_calls
+    # what the CLI sent, recorded on the way: three turns, each re-sending the whole conversation
+    sent = [json.loads(line) for line in (tmp_path / "capture.jsonl").read_text().splitlines()]
+    assert [r["path"] for r in sent] == ["/v1/messages?beta=true"] * 3
+    assert sent[0]["headers"]["user-agent"].startswith("claude-cli/")
+    assert {"Read", "Write"} <= {t["name"] for t in sent[0]["body"]["tools"]}
+    last = sent[2]["body"]["messages"]
+    assert [b["name"] for m in last if isinstance(m["content"], list) for b in m["content"]
+            if b.get("type") == "tool_use"] == ["Read", "Write"]
     assert session.result == f"Renamed {case.old} to {case.new} in {case.name}."
     assert [r["finish"] for r in session.requests] == ["stop"] * 3  # each turn ended at the model's EOS
 
@@ -142,11 +158,10 @@ def test_held_out_cases_are_training_data_renames():
 
 # -- issue 16 item 3, with the real CLI: a turn ends at the CLI's max_tokens, and a loop ends early --
 
-def scripted_session(case, tmp_path, tmp_path_factory, reply: str, max_output_tokens: int | None = None):
+def scripted_session(case, tmp_path, model_dir, reply: str, max_output_tokens: int | None = None):
     from agent_bridge.server import create_app
     from scripted_model import script_engine
 
-    model_dir = build_agent_sized_model(tmp_path_factory.mktemp("agent-sized-turn-end"))
     with serve_engine(str(model_dir)) as engine:
         script_engine(engine).set(reply)
         with RunningServer(create_app(engine)) as srv:
@@ -155,10 +170,10 @@ def scripted_session(case, tmp_path, tmp_path_factory, reply: str, max_output_to
 
 
 @real_cli
-def test_claude_code_max_tokens_ends_each_turn(case, cache_home, tmp_path, tmp_path_factory):
+def test_claude_code_max_tokens_ends_each_turn(case, cache_home, tmp_path, agent_sized_model):
     """CLAUDE_CODE_MAX_OUTPUT_TOKENS=48: the CLI's `max_tokens` cuts every reply at 48 tokens
     (a reply of the file's own text, which never loops)."""
-    session = scripted_session(case, tmp_path, tmp_path_factory, case.text, max_output_tokens=48)
+    session = scripted_session(case, tmp_path, agent_sized_model, case.text, max_output_tokens=48)
     assert session.requests and not session.passed
     for r in session.requests:
         assert (r["generated"], r["finish"]) == (48, "length"), session.requests
@@ -166,13 +181,13 @@ def test_claude_code_max_tokens_ends_each_turn(case, cache_home, tmp_path, tmp_p
 
 
 @real_cli
-def test_loop_guard_ends_a_looping_reply_under_claude_code(case, cache_home, tmp_path, tmp_path_factory):
+def test_loop_guard_ends_a_looping_reply_under_claude_code(case, cache_home, tmp_path, agent_sized_model):
     """A model stuck in a loop, asked for Claude Code's 32,000 tokens: each reply ends once 256
     tokens repeat one n-gram (as max_tokens, with the guard's note), so the session ends long
     before the context is full."""
     from engine.loop_guard import DEFAULT_WINDOW
 
-    session = scripted_session(case, tmp_path, tmp_path_factory, "Renaming now. " + "x = 1\n" * 4000)
+    session = scripted_session(case, tmp_path, agent_sized_model, "Renaming now. " + "x = 1\n" * 4000)
     assert session.requests and not session.passed
     for r in session.requests:
         assert r["finish"] == "length" and "loop guard" in r["note"], session.requests
