@@ -38,6 +38,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the held-out cases and stop")
     ap.add_argument("--json", help="write the sessions and their requests here")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` stops the server and the CLI too
 
     import mlx_lm
 

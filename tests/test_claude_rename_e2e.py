@@ -74,14 +74,18 @@ def serve_engine(model: str):
     return engine_from_args(parser.parse_args(["--model", model]), persistent=True)
 
 
-def rename_session(engine, case, tmp_path, capture: Path | None = None) -> evaluation.Session:
-    """One session; with `capture`, the CLI goes through scripts/recording_proxy.py into that file."""
+def rename_session(engine, case, tmp_path, capture: Path | None = None) -> tuple[evaluation.Session, str]:
+    """One session and the server's /metrics after it; with `capture`, the CLI goes through
+    scripts/recording_proxy.py into that file."""
+    import httpx
+
     from agent_bridge.server import create_app
     from recording_proxy import RecordingProxy
 
     with RunningServer(create_app(engine)) as srv, RecordingProxy(srv.url, capture) as proxy:
-        return evaluation.run_session(case, srv.url, tmp_path / "session", timeout=480,
-                                      cli_url=proxy.url if capture else None)
+        session = evaluation.run_session(case, srv.url, tmp_path / "session", timeout=480,
+                                         cli_url=proxy.url if capture else None)
+        return session, httpx.get(srv.url + "/metrics").text
 
 
 def check(session: evaluation.Session) -> None:
@@ -99,7 +103,7 @@ def check(session: evaluation.Session) -> None:
                     reason="the bundled model has no agent-format stage yet (no train_stats*.json with agent_frames)")
 def test_bundled_model_renames_through_claude_code(case, cache_home, tmp_path):
     with serve_engine(str(BUNDLED)) as engine:
-        session = rename_session(engine, case, tmp_path)
+        session, _ = rename_session(engine, case, tmp_path)
     check(session)
     assert session.tool_calls[:2] == ["Read", "Write"], session.tool_calls
 
@@ -115,8 +119,10 @@ def test_scripted_model_renames_through_claude_code(case, cache_home, tmp_path, 
         script = script_engine(engine)
         script.set(*(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in (read, write)),
                    f"Renamed {case.old} to {case.new} in {case.name}.")
-        session = rename_session(engine, case, tmp_path, capture=tmp_path / "capture.jsonl")
+        session, metrics = rename_session(engine, case, tmp_path, capture=tmp_path / "capture.jsonl")
     check(session)
+    lookup = sum(r["drafted_by_source"].get("lookup", 0) for r in session.requests)
+    assert f'mlx_dspark_drafted_tokens_by_drafter_total{{drafter="lookup"}} {lookup}' in metrics
     assert session.tool_calls == ["Read", "Write"], session.tool_calls
     # what the CLI sent, recorded on the way: three turns, each re-sending the whole conversation
     sent = [json.loads(line) for line in (tmp_path / "capture.jsonl").read_text().splitlines()]
