@@ -8,6 +8,7 @@ first one's whole prompt from the prefix cache, and lookup drafted tokens of the
 - `test_bundled_model_renames_through_claude_code`: the bundled model. Today's model cannot do the
   task; the test runs once the bundled model has its agent-format stage (a `train_stats*.json`
   beside it counting `agent_frames`), or now with MLX_DSPARK_E2E_BUNDLED=1 (then it fails, saying why).
+  MLX_DSPARK_E2E_MODEL=DIR runs it on other weights (new weights before they are copied in).
 - `test_scripted_model_renames_through_claude_code`: the same path and checks with a scripted model
   (tests/scripted_model.py: a tiny model whose replies are Read, then Write, then a sentence), so
   every assertion's plumbing is tested while the real model cannot pass.
@@ -29,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import agent_rename_eval as evaluation  # noqa: E402
 
-BUNDLED = ROOT / "engine" / "reference_model"
+# The bundled model, or candidate weights in another folder before they are copied in.
+MODEL = Path(os.environ.get("MLX_DSPARK_E2E_MODEL") or ROOT / "engine" / "reference_model")
 
 
 def has_agent_stage() -> bool:
-    """A stage of the bundled model was trained on Claude Code sessions (its statistics, which
+    """A stage of the model was trained on Claude Code sessions (its statistics, which
     training/train.py writes, count `agent_frames`)."""
-    return any(json.loads(p.read_text()).get("agent_frames") for p in BUNDLED.glob("train_stats*.json"))
+    return any(json.loads(p.read_text()).get("agent_frames") for p in MODEL.glob("train_stats*.json"))
 
 
 
@@ -102,7 +104,7 @@ def check(session: evaluation.Session) -> None:
 @pytest.mark.skipif(not has_agent_stage() and not os.environ.get("MLX_DSPARK_E2E_BUNDLED"),
                     reason="the bundled model has no agent-format stage yet (no train_stats*.json with agent_frames)")
 def test_bundled_model_renames_through_claude_code(case, cache_home, tmp_path):
-    with serve_engine(str(BUNDLED)) as engine:
+    with serve_engine(str(MODEL)) as engine:
         session, _ = rename_session(engine, case, tmp_path)
     check(session)
     assert session.tool_calls[:2] == ["Read", "Write"], session.tool_calls
