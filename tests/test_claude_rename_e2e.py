@@ -205,3 +205,25 @@ def test_loop_guard_ends_a_looping_reply_under_claude_code(case, cache_home, tmp
     for r in session.requests:
         assert r["finish"] == "length" and "loop guard" in r["note"], session.requests
         assert r["generated"] < DEFAULT_WINDOW + 64, session.requests
+
+
+@real_cli
+def test_evaluation_script_end_to_end(case, cache_home, tmp_path, agent_sized_model, capsys):
+    """scripts/agent_rename_eval.py's own main against a running server (the scripted model):
+    its table, its JSON and its capture of what the CLI sent."""
+    from agent_bridge.server import create_app
+    from scripted_model import script_engine
+
+    with serve_engine(str(agent_sized_model)) as engine:
+        script_engine(engine).set("I cannot do that.")
+        with RunningServer(create_app(engine)) as srv:
+            rc = evaluation.main(["--url", srv.url, "--only", case.rel, "--capture", str(tmp_path / "cap"),
+                                  "--json", str(tmp_path / "out.json")])
+    assert rc == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    (session,) = out["sessions"]
+    assert (out["passed"], session["file"], session["why"]) == (0, case.rel, "no Read")
+    assert [r["finish"] for r in session["requests"]] == ["stop"]
+    assert f"| {case.rel} | {case.old} -> {case.new} | no | no Read |" in capsys.readouterr().out
+    sent = (tmp_path / "cap" / f"{Path(case.rel).stem}.jsonl").read_text().splitlines()
+    assert len(sent) == 1 and case.prompt in json.dumps(json.loads(sent[0])["body"]["messages"])
