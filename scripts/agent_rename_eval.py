@@ -137,10 +137,15 @@ def claude_env(url: str, home: Path, max_output_tokens: int | None = None) -> di
     return env
 
 
-def finished_jobs(url: str) -> list[dict]:
-    """The server's recent finished requests, oldest first."""
-    snap = httpx.get(f"{url}/v1/telemetry/snapshot", timeout=30).json()
-    return sorted(snap["recent"], key=lambda r: r["id"])
+def finished_jobs(url: str, settle_s: float = 0.0) -> list[dict]:
+    """The server's recent finished requests, oldest first; with `settle_s`, first wait up to that
+    long for the requests in flight to end (a killed CLI's request ends as cancelled)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        snap = httpx.get(f"{url}/v1/telemetry/snapshot", timeout=30).json()
+        if not snap["in_flight"] or time.monotonic() > deadline:
+            return sorted(snap["recent"], key=lambda r: r["id"])
+        time.sleep(0.2)
 
 
 REQUEST_FIELDS = ("id", "client", "mode", "prompt_tokens", "cached_tokens", "ttft_s", "generated", "drafted",
@@ -237,8 +242,8 @@ def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claud
         if s.why == "CLI error: no JSON result":
             s.why += f" ({s.result[-150:]!r})"
     s.passed = not s.why
-    time.sleep(0.5)  # the last request's Done reaches the telemetry just after the CLI exits
-    s.requests = [{k: j.get(k) for k in REQUEST_FIELDS} for j in finished_jobs(url) if j["id"] > seen]
+    # the last request's end reaches the telemetry just after the CLI exits
+    s.requests = [{k: j.get(k) for k in REQUEST_FIELDS} for j in finished_jobs(url, settle_s=60) if j["id"] > seen]
     return s
 
 
