@@ -227,3 +227,16 @@ def test_evaluation_script_end_to_end(case, cache_home, tmp_path, agent_sized_mo
     assert f"| {case.rel} | {case.old} -> {case.new} | no | no Read |" in capsys.readouterr().out
     sent = (tmp_path / "cap" / f"{Path(case.rel).stem}.jsonl").read_text().splitlines()
     assert len(sent) == 1 and case.prompt in json.dumps(json.loads(sent[0])["body"]["messages"])
+
+
+def test_draft_counts_by_drafter_sum_to_the_totals(tiny_model_dir):
+    """Every drafted round is counted under the drafter that proposed it, accepted or not."""
+    from engine import Engine, GenerationRequest
+
+    with Engine(str(tiny_model_dir), mode="lookup", prefix_cache=False) as e:
+        prompt = e.encode("def f(x):\n    return x + 1\n" * 12)
+        stats = list(e.generate(GenerationRequest(prompt, max_tokens=80)))[-1].stats
+    assert stats.drafted_tokens > stats.accepted_tokens  # some drafts were rejected, and still counted
+    assert stats.drafted_by_source == {"lookup": stats.drafted_tokens}
+    assert stats.accepted_by_source == {"lookup": stats.accepted_tokens}
+    assert stats.to_dict()["drafted_by_source"] == {"lookup": stats.drafted_tokens}  # the `mlx_dspark` field
