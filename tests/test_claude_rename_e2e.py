@@ -91,9 +91,10 @@ def rename_session(engine, case, tmp_path, capture: Path | None = None) -> tuple
 
 
 def check(session: evaluation.Session) -> None:
-    report = json.dumps(session.__dict__, indent=1, default=str)[:4000]
+    report = f"{session.why or 'renamed'}; the CLI said {session.result[:200]!r}\n" \
+             + json.dumps(session.__dict__, indent=1, default=str)[:4000]
     assert session.is_error is False, report
-    assert session.passed, f"{session.why}\n{report}"  # on disk: exactly the expected rename
+    assert session.passed, report  # on disk: exactly the expected rename
     read, write = session.requests[0], session.requests[1]
     assert write["cached_tokens"] >= read["prompt_tokens"], report  # the first request's prefix, from the cache
     assert write["drafted_by_source"].get("lookup", 0) > 0, report  # lookup drafted the re-emitted file
