@@ -194,11 +194,12 @@ def judge(case: Case, on_disk: str, calls: list[dict], is_error: bool | None, re
     names = [c["name"] for c in calls]
     if renamed:
         return f"CLI error: {result[:120]}"
+    said = f" (CLI: {result[:100]})" if is_error else f" (answered: {result[:60]!r})" if result else ""
     if "Read" not in names:
-        return "no Read" + (f" (CLI: {result[:100]})" if is_error else "")
+        return "no Read" + said
     writes = [c for c in calls if c["name"] in ("Write", "Edit", "MultiEdit")]
     if not writes:
-        return "no Write" + (f" (CLI: {result[:100]})" if is_error else "")
+        return "no Write" + said
     if all(c["error"] for c in writes):
         return f"{writes[-1]['name']} refused: {writes[-1]['error'][:120]}"
     if on_disk == case.text:

@@ -146,7 +146,8 @@ def test_judge_names_why_a_session_failed(case):
     write = {"name": "Write", "input": {}, "error": None}
     assert judge(case, case.expected, [read, write], False, "Done.") == ""
     assert judge(case, case.expected, [read, write], True, "API Error: boom").startswith("CLI error: API Error")
-    assert judge(case, case.text, [], False, "I renamed it.") == "no Read"
+    assert judge(case, case.text, [], False, "I renamed it.") == "no Read (answered: 'I renamed it.')"
+    assert judge(case, case.text, [read], False, "") == "no Write"
     assert judge(case, case.text, [read], True, "API Error: too long").startswith("no Write (CLI: API Error")
     refused = {**write, "error": "File has not been read yet"}
     assert judge(case, case.text, [read, refused], False, "").startswith("Write refused: File has not been read")
@@ -223,9 +224,9 @@ def test_evaluation_script_end_to_end(case, cache_home, tmp_path, agent_sized_mo
     assert rc == 0
     out = json.loads((tmp_path / "out.json").read_text())
     (session,) = out["sessions"]
-    assert (out["passed"], session["file"], session["why"]) == (0, case.rel, "no Read")
+    assert (out["passed"], session["file"], session["why"]) == (0, case.rel, "no Read (answered: 'I cannot do that.')")
     assert [r["finish"] for r in session["requests"]] == ["stop"]
-    assert f"| {case.rel} | {case.old} -> {case.new} | no | no Read |" in capsys.readouterr().out
+    assert f"| {case.rel} | {case.old} -> {case.new} | no | no Read (answered: " in capsys.readouterr().out
     sent = (tmp_path / "cap" / f"{Path(case.rel).stem}.jsonl").read_text().splitlines()
     assert len(sent) == 1 and case.prompt in json.dumps(json.loads(sent[0])["body"]["messages"])
 
