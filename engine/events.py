@@ -88,6 +88,10 @@ class Stats:
                         setattr(total, f.name, value)
                 elif f.name == "ttft_s":
                     total.ttft_s = total.ttft_s or float(value)
+                elif isinstance(getattr(total, f.name), dict):
+                    mine = getattr(total, f.name)
+                    for k, v in value.items():
+                        mine[k] = mine.get(k, 0) + v
                 elif isinstance(getattr(total, f.name), list):
                     mine = getattr(total, f.name)
                     mine.extend([0] * (len(value) - len(mine)))

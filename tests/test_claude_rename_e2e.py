@@ -242,3 +242,15 @@ def test_draft_counts_by_drafter_sum_to_the_totals(tiny_model_dir):
     assert stats.drafted_by_source == {"lookup": stats.drafted_tokens}
     assert stats.accepted_by_source == {"lookup": stats.accepted_tokens}
     assert stats.to_dict()["drafted_by_source"] == {"lookup": stats.drafted_tokens}  # the `mlx_dspark` field
+
+
+def test_stats_sum_adds_the_counts_by_drafter():
+    from engine.events import Stats
+
+    a, b = Stats(), Stats()
+    a.add_round(8, 5, "lookup")
+    b.add_round(4, 1, "head")
+    b.add_round(6, 6, "lookup")
+    total = Stats.sum([a, b.to_dict()])  # the MCP tools' totals sum Stats and their dicts
+    assert (total.drafted_by_source, total.accepted_by_source) == ({"lookup": 14, "head": 4}, {"lookup": 11, "head": 1})
+    assert (total.drafted_tokens, total.accepted_tokens) == (18, 12)
