@@ -123,7 +123,8 @@ class Session:
     is_error: bool | None = None
     result: str = ""  # the CLI's final text
     wall_s: float = 0.0
-    tool_calls: list[str] = field(default_factory=list)
+    tool_calls: list[str] = field(default_factory=list)  # "Read", "Write", ...; "!" marks a refused call
+    tool_errors: list[str] = field(default_factory=list)  # the refused calls' results, first 3
     requests: list[dict] = field(default_factory=list)
 
 
@@ -208,7 +209,8 @@ def judge(case: Case, on_disk: str, calls: list[dict], is_error: bool | None, re
 
 
 def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claude: Path = CLAUDE,
-                max_output_tokens: int | None = None, cli_url: str | None = None) -> Session:
+                max_output_tokens: int | None = None, cli_url: str | None = None,
+                max_turns: int | None = None) -> Session:
     """One `claude -p` rename in a fresh project (`workdir`/project) and HOME; judged, with the
     server's per-request statistics. The CLI talks to `cli_url` (a recording proxy) if given."""
     project, home = workdir / "project", workdir / "home"
@@ -221,6 +223,8 @@ def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claud
     s = Session(case.rel, case.old, case.new)
     cmd = [str(claude), "-p", case.prompt, "--output-format", "json",
            "--allowedTools", "Read", "Write", "Edit", "--permission-mode", "acceptEdits"]
+    if max_turns:
+        cmd += ["--max-turns", str(max_turns)]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=project, env=claude_env(cli_url or url, home, max_output_tokens),
@@ -238,6 +242,7 @@ def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claud
             s.result = (out + err)[-300:]
     calls = transcript_tools(home)
     s.tool_calls = [c["name"] + ("!" if c["error"] else "") for c in calls]
+    s.tool_errors = [f"{c['name']}: {c['error']}" for c in calls if c["error"]][:3]
     if not s.why:
         s.why = judge(case, target.read_text(), calls, s.is_error, s.result)
         if s.why == "CLI error: no JSON result":
@@ -289,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per session (default 600)")
     ap.add_argument("--max-output-tokens", type=int, default=None,
                     help="CLAUDE_CODE_MAX_OUTPUT_TOKENS for the CLI (default: the CLI's own)")
+    ap.add_argument("--max-turns", type=int, default=None,
+                    help="the CLI's --max-turns: ends a session whose model repeats a refused tool call "
+                         "(default: no limit, the timeout ends it)")
     ap.add_argument("--url", help="use this running server instead of starting one")
     ap.add_argument("--cache-dir", help="MLX_DSPARK_CACHE_DIR for the server (default: a fresh one)")
     ap.add_argument("--claude", default=str(CLAUDE), help="the Claude Code CLI (default: .node's)")
@@ -335,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 proxy.recorder.out = Path(args.capture) / f"{Path(c.rel).stem}.jsonl"
                 proxy.recorder.out.unlink(missing_ok=True)
             s = run_session(c, url, work / "session", args.timeout, Path(args.claude), args.max_output_tokens,
-                            cli_url=proxy.url if proxy else None)
+                            cli_url=proxy.url if proxy else None, max_turns=args.max_turns)
             sessions.append(s)
             print(f"{c.rel}: {'PASS' if s.passed else 'FAIL'} {s.why} ({s.wall_s:.1f} s, "
                   f"{len(s.requests)} requests, tools: {' '.join(s.tool_calls) or '-'})", flush=True)

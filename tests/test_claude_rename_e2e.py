@@ -254,3 +254,21 @@ def test_stats_sum_adds_the_counts_by_drafter():
     total = Stats.sum([a, b.to_dict()])  # the MCP tools' totals sum Stats and their dicts
     assert (total.drafted_by_source, total.accepted_by_source) == ({"lookup": 14, "head": 4}, {"lookup": 11, "head": 1})
     assert (total.drafted_tokens, total.accepted_tokens) == (18, 12)
+
+
+@real_cli
+def test_max_turns_ends_a_session_that_repeats_a_refused_call(case, cache_home, tmp_path, agent_sized_model):
+    """A model that writes without reading is refused by the CLI and tries again every turn:
+    `--max-turns` ends that session, and the verdict quotes the CLI's refusal."""
+    from agent_bridge.server import create_app
+    from scripted_model import script_engine
+
+    path = str(tmp_path / "session" / "project" / case.name)
+    write = {"name": "Write", "arguments": {"file_path": path, "content": case.expected}}
+    with serve_engine(str(agent_sized_model)) as engine:
+        script_engine(engine).set(f"<tool_call>\n{json.dumps(write)}\n</tool_call>")
+        with RunningServer(create_app(engine)) as srv:
+            session = evaluation.run_session(case, srv.url, tmp_path / "session", timeout=300, max_turns=3)
+    assert session.is_error is True and session.why.startswith("no Read"), session
+    assert session.tool_calls == ["Write!"] * 3 and len(session.requests) == 3, session
+    assert session.tool_errors and "read" in session.tool_errors[0].lower(), session.tool_errors
