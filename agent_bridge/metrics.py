@@ -41,6 +41,7 @@ class Metrics:
         self.requests: dict[tuple[str, str, int], int] = defaultdict(int)
         self.counters: dict[str, float] = defaultdict(float)
         self.finishes: dict[str, int] = defaultdict(int)
+        self.by_source: dict[tuple[str, str], int] = defaultdict(int)  # (drafted|accepted, drafter) -> tokens
         self.in_flight = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.decode = Histogram(DECODE_BUCKETS)
@@ -62,6 +63,9 @@ class Metrics:
             c["drafted_tokens"] += stats.drafted_tokens
             c["accepted_tokens"] += stats.accepted_tokens
             c["generations"] += 1
+            for kind, counts in (("drafted", stats.drafted_by_source), ("accepted", stats.accepted_by_source)):
+                for source, n in counts.items():
+                    self.by_source[(kind, source)] += n
             c["wall_seconds"] += stats.wall_s
             self.ttft.observe(stats.ttft_s)
             if stats.generated_tokens > 1 and stats.decode_s > 0:
@@ -96,6 +100,11 @@ class Metrics:
             ):
                 lines += [f"# HELP {p}_{name}_total {help_}", f"# TYPE {p}_{name}_total counter",
                           f"{p}_{name}_total {int(self.counters[name])}"]
+            for kind in ("drafted", "accepted"):
+                lines += [f"# HELP {p}_{kind}_tokens_by_drafter_total Draft tokens {kind}, by the drafter that proposed them.",
+                          f"# TYPE {p}_{kind}_tokens_by_drafter_total counter"]
+                lines += [f'{p}_{kind}_tokens_by_drafter_total{{drafter="{source}"}} {n}'
+                          for (k, source), n in sorted(self.by_source.items()) if k == kind]
             drafted = self.counters["drafted_tokens"]
             rate = self.counters["accepted_tokens"] / drafted if drafted else 0.0
             lines += [f"# HELP {p}_draft_acceptance_ratio Accepted over drafted tokens since start.",

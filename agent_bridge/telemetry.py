@@ -61,7 +61,10 @@ class JobRecord:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    drafted_by_source: dict = field(default_factory=dict)  # the engine's counts, at the end
+    accepted_by_source: dict = field(default_factory=dict)
     finish: str = ""
+    note: str = ""  # the engine's (e.g. "loop guard: ...")
     ended: float = 0.0
     decode_tok_s: float = 0.0
     ttft_s: float = 0.0
@@ -161,9 +164,10 @@ class Telemetry:
 
     def _done(self, rec: JobRecord, done: Done, now: float) -> None:
         s = done.stats  # the engine's own counts replace the live estimate
-        rec.phase, rec.finish, rec.ended, rec.mode = "done", done.finish_reason, now, s.mode
+        rec.phase, rec.finish, rec.ended, rec.mode, rec.note = "done", done.finish_reason, now, s.mode, s.note
         rec.prompt_tokens, rec.cached_tokens, rec.generated = s.prompt_tokens, s.cached_tokens, s.generated_tokens
         rec.rounds, rec.drafted, rec.accepted = s.rounds, s.drafted_tokens, s.accepted_tokens
+        rec.drafted_by_source, rec.accepted_by_source = dict(s.drafted_by_source), dict(s.accepted_by_source)
         rec.decode_tok_s, rec.ttft_s = round(s.decode_tok_s, 2), round(s.ttft_s, 4)
         self.totals["generated_tokens"] += s.generated_tokens
         self._retire(rec)

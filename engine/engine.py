@@ -572,7 +572,7 @@ class Engine:
             else:
                 yield
             committed.extend(rnd.tokens)
-            stats.add_round(rnd.drafted, rnd.accepted)
+            stats.add_round(rnd.drafted, rnd.accepted, rnd.source)
             if controller is not None:
                 controller.observe(rnd.drafted, rnd.accepted)
             new_ids, text, provenance = [], "", []

@@ -34,6 +34,10 @@ class Stats:
     accepted_tokens: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # rounds whose i-th draft token held
     drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted an i-th token
+    # draft tokens proposed / accepted by each drafter ("lookup", "head", ...): a head drafter
+    # hands long verbatim runs to lookup, and an agent's re-emitted file should show up there
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     queued_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
@@ -54,10 +58,14 @@ class Stats:
     def decode_tok_s(self) -> float:
         return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
-    def add_round(self, drafted: int, accepted: int) -> None:
+    def add_round(self, drafted: int, accepted: int, source: str = "") -> None:
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
+        if drafted:
+            source = source or "draft"
+            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
         for counts, n in ((self.drafted_by_position, drafted), (self.accepted_by_position, accepted)):
             if len(counts) < n:
                 counts.extend([0] * (n - len(counts)))
@@ -80,6 +88,10 @@ class Stats:
                         setattr(total, f.name, value)
                 elif f.name == "ttft_s":
                     total.ttft_s = total.ttft_s or float(value)
+                elif isinstance(getattr(total, f.name), dict):
+                    mine = getattr(total, f.name)
+                    for k, v in value.items():
+                        mine[k] = mine.get(k, 0) + v
                 elif isinstance(getattr(total, f.name), list):
                     mine = getattr(total, f.name)
                     mine.extend([0] * (len(value) - len(mine)))

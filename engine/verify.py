@@ -38,7 +38,7 @@ class Round:
     # keep_only(u): the caller used only the first u >= 1 of `tokens` (a stop mid-round);
     # leave the cache as if the round had committed just those. Call it right after the round.
     keep_only: Callable[[int], None] | None = None
-    source: str = ""  # the drafter whose tokens were accepted (per-token provenance for the APIs)
+    source: str = ""  # the drafter that proposed this round's draft ("" when none was drafted)
 
 
 def prefill(
@@ -145,5 +145,5 @@ def speculative_rounds(
             def keep_only(u, before=before, inputs=inputs, held=n + 1, captured=fwd.captured):
                 take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache),
                           captured=captured)
-        source = (draft.source or drafter.name) if n else ""
+        source = (draft.source or drafter.name) if draft_tokens else ""
         yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source)
