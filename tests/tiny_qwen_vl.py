@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from tiny_vlm import train_bpe
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
            "<|image_pad|>", "<|video_pad|>"]
@@ -43,15 +44,7 @@ IMAGE_TOKENS = (SIDE // PATCH // MERGE) ** 2  # 16 per image
 
 
 def build_tokenizer(out: Path, vocab_size: int = 320) -> tuple[int, dict]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TEXT, trainer)
-    tok.save(str(out / "tokenizer.json"))
+    tok = train_bpe(out, SPECIAL, TEXT, vocab_size)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",

@@ -41,16 +41,23 @@ TEXT = [
 IMAGE_TOKENS = 4  # per image: a 56x56 image, 14-pixel patches (4x4), pooled 2x2
 
 
-def build_tokenizer(out: Path, vocab_size: int = 320) -> tuple[int, dict]:
+def train_bpe(out: Path, special: list[str], text: list[str], vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on `text`, `special` tokens first (ids 0..), saved as
+    out/tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TEXT, trainer)
+    tok.train_from_iterator(text, trainer)
     tok.save(str(out / "tokenizer.json"))
+    return tok
+
+
+def build_tokenizer(out: Path, vocab_size: int = 320) -> tuple[int, dict]:
+    tok = train_bpe(out, SPECIAL, TEXT, vocab_size)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",

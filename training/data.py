@@ -424,7 +424,7 @@ class RowBuilder:
 
     def _agent(self):
         """A Claude Code session (agent_data.py) that fits in a row, or None."""
-        import agent_data
+        import agent_data  # here, not at the top: agent_data imports this module
 
         for _ in range(16):
             path, text = self.rng.choice(self.code)
