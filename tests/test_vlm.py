@@ -16,6 +16,7 @@ models, random weights, nothing downloaded).
 from __future__ import annotations
 
 import base64
+import functools
 import io
 
 import pytest
@@ -37,6 +38,15 @@ def png(color) -> bytes:
 
 
 RED, BLUE = png((200, 30, 30)), png((20, 40, 220))
+
+
+def ask_color(client, color: str) -> str:
+    """The reply of an OpenAI-client chat request holding the red or the blue image."""
+    data = base64.b64encode(RED if color == "red" else BLUE).decode()
+    reply = client.chat.completions.create(model="m", max_tokens=MAX, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is in the image?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
+    return reply.choices[0].message.content
 
 
 @pytest.fixture(scope="module")
@@ -289,12 +299,7 @@ def test_concurrent_image_requests_each_get_their_own_reply(engine, server):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    def send(color: str) -> str:
-        data = base64.b64encode(RED if color == "red" else BLUE).decode()
-        r = client.chat.completions.create(model="m", max_tokens=MAX, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is in the image?"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
-        return r.choices[0].message.content
+    send = functools.partial(ask_color, client)
 
     expected = {c: send(c) for c in ("red", "blue")}  # one at a time
     colors = ["red", "blue", "blue", "red"]
@@ -402,12 +407,7 @@ def test_qwen3_vl_image_requests_through_the_clients(qwen):
 
         o = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
-        def send(color: str) -> str:
-            data = base64.b64encode(RED if color == "red" else BLUE).decode()
-            reply = o.chat.completions.create(model="m", max_tokens=MAX, messages=[{"role": "user", "content": [
-                {"type": "text", "text": "What is in the image?"},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
-            return reply.choices[0].message.content
+        send = functools.partial(ask_color, o)
 
         expected = {c: reference_reply(qwen, "What is in the image?", [RED if c == "red" else BLUE], MAX)
                     for c in ("red", "blue")}
