@@ -103,12 +103,29 @@ def held_out_cases(n: int = 10, seed: int = 0) -> list[Case]:
     files = candidate_files()
     cases = []
     for rel, text in random.Random(seed).sample(files, len(files)):
-        made = data.make_rename(text, random.Random(f"{seed}:{rel}"))
-        if made is not None:
-            cases.append(Case(rel, text, made[0], made[1]))
+        case = make_case(rel, text, seed)
+        if case is not None:
+            cases.append(case)
         if len(cases) == n:
             break
     return sorted(cases, key=lambda c: c.rel)
+
+
+def make_case(rel: str, text: str, seed: int = 0) -> Case | None:
+    """The rename of one file, fixed by the seed and its path (None if it has no name to rename)."""
+    made = data.make_rename(text, random.Random(f"{seed}:{rel}"))
+    return None if made is None else Case(rel, text, made[0], made[1])
+
+
+def case_for(rel: str, seed: int = 0) -> Case:
+    """The case of mlx_lm's file `rel`, as `held_out_cases` makes it."""
+    import mlx_lm
+
+    text = data.read_text(str(Path(mlx_lm.__file__).parent / rel))
+    case = make_case(rel, text, seed) if text else None
+    if case is None:
+        raise ValueError(f"no rename case in mlx_lm's {rel}")
+    return case
 
 
 # ---------------------------------------------------------------- one session

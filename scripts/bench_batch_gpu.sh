@@ -9,7 +9,8 @@
 # (cost curve, batch surface) go to OUT_DIR/cache. Each pass is capped (PASS_S, default 90 s),
 # so the whole run stays under ~7 minutes; a pass cut short says so and the next one runs.
 # Environment: MODELS ("bundled random"), DTYPES ("bfloat16 float32"), LEVELS (1,4), TRIALS (2),
-# MAX_TOKENS (128), PASS_S (90), PYTHON (python3), RANDOM_MODEL_DIR.
+# MAX_TOKENS (128), PASS_S (90), PYTHON (python3), RANDOM_MODEL_DIR; a PYTHONPATH given (an MLX build
+# installed with pip --target) is kept after the repository.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bench_batch_gpu.sh OUT_DIR [make_random_model.py flags]}
@@ -17,7 +18,7 @@ shift
 size=("$@")
 [ ${#size[@]} -eq 0 ] && size=(--hidden 2048 --layers 16 --heads 16 --kv-heads 4 --head-dim 128 --intermediate 6144)
 mkdir -p "$out"
-export PYTHONPATH=. MLX_DSPARK_NO_REEXEC=1 HF_HUB_OFFLINE=1 MLX_DSPARK_CACHE_DIR="$out/cache"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} MLX_DSPARK_NO_REEXEC=1 HF_HUB_OFFLINE=1 MLX_DSPARK_CACHE_DIR="$out/cache"
 py=${PYTHON:-python3}
 levels=${LEVELS:-1,4}
 $py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info().get('device_name', ''))"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,9 +60,10 @@ def test_sessions_train_the_three_turns_only(frames):
     rng = random.Random(5)
     forms = set()
     for _ in range(40):
-        segments = agent_data.make_session(frames, "pkg/radix_tree.py", text, rng)
-        if segments is None:
+        session = agent_data.make_session(frames, "pkg/radix_tree.py", text, rng)
+        if session is None:
             continue
+        segments, focus = session
         trained = [s for s, t in segments if t]
         forms.add(trained[-1].startswith("<tool_call>"))
         assert trained[0].startswith('<tool_call>\n{"name": "Read", "arguments": {"file_path": "/')
@@ -70,6 +72,10 @@ def test_sessions_train_the_three_turns_only(frames):
         ids, mask = agent_data.encode_segments(tok, segments)
         learned = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
         assert learned == "".join(trained)
+        _, weights = agent_data.encode_segments(tok, segments, focus, focus_weight=5)
+        assert [bool(w) for w in weights] == [bool(m) for m in mask] and set(weights) == {0, 1, 5}
+        path = json.loads(trained[0].split("\n")[1][len('{"name": "Read", "arguments": '):-1])["file_path"]
+        assert path in tok.decode([i for i, w in zip(ids, weights) if w == 5])  # the path it must copy
         if trained[-1].startswith('<tool_call>\n{"name": "Write"'):
             call = json.loads(trained[-1][len("<tool_call>\n"):-len("\n</tool_call><|im_end|>")])
             before = segments[2][0].split("<tool_response>\n", 1)[1].rsplit("\n</tool_response>", 1)[0]
@@ -84,3 +90,29 @@ def test_a_working_directory_must_be_copied():
     cwds = {agent_data.random_cwd(rng, "utils")[0] for _ in range(200)}
     assert len(cwds) > 190
     assert any(c.rstrip("/").endswith("utils") or "_utils" in c or "utils_" in c or "utils-" in c for c in cwds)
+
+
+def test_focus_weights_fall_on_the_rename_sites():
+    """A chat-format rename: the reply's tokens touching the new name weigh `focus_weight`, the
+    rest of the reply 1, the prompt 0."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    rb = data.RowBuilder(tok, [("pkg/radix_tree.py", (ROOT / "engine" / "radix_tree.py").read_text())], [],
+                         seq_len=8192, seed=3, focus_weight=4)
+    sample = None
+    while sample is None:
+        sample = data.make_task("rename", "pkg/radix_tree.py", rb.code[0][1], rb.rng)
+    text = sample.prompt + sample.answer
+    enc = tok.encode(text)
+    sites = data.focus_spans(text, sample.focus)
+    weights = data.loss_weights(enc.offsets, [(len(sample.prompt), len(text))], sites, 4)
+    assert sites
+    for (start, end), w in zip(enc.offsets, weights):
+        if start < len(sample.prompt):
+            assert w == 0
+        else:
+            touches = any(a < end and start < b for a, b in sites)
+            assert w == (4 if touches else 1), (text[start:end], w)
+    answer_sites = [text[a:b] for a, b in sites if a >= len(sample.prompt)]
+    assert len(answer_sites) == len(re.findall(sample.focus[0], sample.answer))

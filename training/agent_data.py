@@ -150,8 +150,10 @@ def random_env(rng: random.Random, task: str, stem: str) -> dict:
 
 
 def make_session(frames: list[Frame], path: str, text: str, rng: random.Random, min_lines=15, max_lines=150,
-                 edit_share=0.15) -> list[tuple[str, bool]] | None:
-    """A random session over `text` (a corpus file at `path`; an excerpt of it when long), or None."""
+                 edit_share=0.15) -> tuple[list[tuple[str, bool]], tuple[str, ...]] | None:
+    """A random session over `text` (a corpus file at `path`; an excerpt of it when long), or
+    None: its (segment, trained) pairs and the focus regexes for `encode_segments` (the path the
+    model must copy, and a rename's new name)."""
     lines = text.count("\n")
     before = text if min_lines <= lines <= max_lines and text.endswith("\n") else data.excerpt(text, rng, min_lines, max_lines)
     if before is None or "\t" in before or "\r" in before:
@@ -165,6 +167,7 @@ def make_session(frames: list[Frame], path: str, text: str, rng: random.Random, 
         instruction, after = r
         task = f"In {rel}, {instruction}"
         closing = rng.choice(EDIT_CLOSINGS).format(rel=rel)
+        focus = ()
     else:
         r = data.make_rename(before, rng)
         if r is None:
@@ -172,15 +175,21 @@ def make_session(frames: list[Frame], path: str, text: str, rng: random.Random, 
         old, new, after = r
         task = rng.choice(RENAME_TASKS).format(old=old, new=new, rel=rel)
         closing = rng.choice(RENAME_CLOSINGS).format(old=old, new=new, rel=rel)
+        focus = (data.name_pattern(new),)
     if after == before:
         return None
     env = random_env(rng, task, Path(path).stem)
     form = "write" if rng.random() < 0.8 else "closing"
-    return session_segments(rng.choice(frames), env, env["cwd"] + "/" + rel, before, after, closing, form)
+    path = env["cwd"] + "/" + rel
+    segments = session_segments(rng.choice(frames), env, path, before, after, closing, form)
+    return segments, (re.escape(path),) + focus
 
 
-def encode_segments(tok, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
-    """Token ids of the whole text (one encode, so merges match serving) and the loss mask."""
+def encode_segments(tok, segments: list[tuple[str, bool]], focus: tuple[str, ...] = (),
+                    focus_weight: int = 1) -> tuple[list[int], list[int]]:
+    """Token ids of the whole text (one encode, so merges match serving) and each token's loss
+    weight (`data.loss_weights`: 0 in the prompt and tool results, `focus_weight` where the
+    model's turns match a `focus` regex, 1 elsewhere)."""
     text = "".join(s for s, _ in segments)
     spans, at = [], 0
     for s, trained in segments:
@@ -188,8 +197,8 @@ def encode_segments(tok, segments: list[tuple[str, bool]]) -> tuple[list[int], l
             spans.append((at, at + len(s)))
         at += len(s)
     enc = tok.encode(text)
-    mask = [1 if any(a <= start < b for a, b in spans) else 0 for start, _ in enc.offsets]
-    return enc.ids, mask
+    focused = data.focus_spans(text, focus) if focus_weight != 1 else []
+    return enc.ids, data.loss_weights(enc.offsets, spans, focused, focus_weight)
 
 
 # ---------------------------------------------------------------- frames from captures

@@ -15,6 +15,7 @@ and re-emit it; apply a one-line edit and re-emit; a two-step rewrite; continue 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import keyword
 import builtins
@@ -149,9 +150,14 @@ _RESERVED = set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins)) |
 _DEF_RE = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+([A-Za-z_]\w*)|^\s*([A-Za-z_]\w*)\s*(?::[^=]*)?=[^=]", re.M)
 
 
+def name_pattern(name: str) -> str:
+    """A regex for identifier ``name`` as a whole word."""
+    return r"(?<![A-Za-z0-9_])" + re.escape(name) + r"(?![A-Za-z0-9_])"
+
+
 def rename(code: str, old: str, new: str) -> str:
     """Replace every whole-word occurrence of identifier ``old`` with ``new``."""
-    return re.sub(r"(?<![A-Za-z0-9_])" + re.escape(old) + r"(?![A-Za-z0-9_])", new, code)
+    return re.sub(name_pattern(old), new, code)
 
 
 def excerpt(text: str, rng: random.Random, min_lines: int, max_lines: int) -> str | None:
@@ -341,6 +347,7 @@ class Sample:
     prompt: str  # no loss
     answer: str  # loss (ends with <|im_end|>)
     kind: str
+    focus: tuple[str, ...] = ()  # regexes for what the edit changed (the new names): weighted loss
 
 
 def _cap(s: str) -> str:
@@ -391,7 +398,43 @@ def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40,
         raise ValueError(kind)
     if out == ex and kind != "continue":
         return None
-    return Sample(chat_prefix(user, system), reply(out), kind)
+    focus = () if kind in ("edit", "continue") else (name_pattern(new),)
+    if kind == "rewrite" and instr.count("`") == 4:  # two renames
+        focus += (name_pattern(r2[1]),)
+    return Sample(chat_prefix(user, system), reply(out), kind, focus)
+
+
+# ---------------------------------------------------------------- loss weights
+
+def focus_spans(text: str, patterns) -> list[tuple[int, int]]:
+    """Sorted, disjoint character spans of `patterns` (regexes) in `text`, each widened by one
+    character a side: where a rename changed the text, and the punctuation touching it (a
+    small model drops the dot of `mx.array` when it becomes `mx.number_array`)."""
+    spans = sorted((max(0, m.start() - 1), m.end() + 1) for p in patterns for m in re.finditer(p, text))
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def loss_weights(offsets, trained: list[tuple[int, int]], focus: list[tuple[int, int]],
+                 focus_weight: int = 1) -> list[int]:
+    """Per-token loss weight from the tokens' character `offsets`: 0 for a token that does not
+    start inside a `trained` span, `focus_weight` for a trained token overlapping a `focus` span,
+    1 otherwise. Both span lists sorted and disjoint."""
+    t_starts, f_starts = [a for a, _ in trained], [a for a, _ in focus]
+    out = []
+    for start, end in offsets:
+        i = bisect.bisect_right(t_starts, start) - 1
+        if i < 0 or start >= trained[i][1]:
+            out.append(0)
+            continue
+        j = bisect.bisect_left(f_starts, max(end, start + 1)) - 1  # the last focus span starting before the token ends
+        out.append(focus_weight if j >= 0 and focus[j][1] > start else 1)
+    return out
 
 
 # ---------------------------------------------------------------- row packing (token level)
@@ -400,17 +443,18 @@ MIX = {"rename": 0.60, "edit": 0.10, "rewrite": 0.08, "continue": 0.07, "code": 
 
 
 class RowBuilder:
-    """Packs samples into rows of ``seq_len + 1`` tokens with a per-token loss mask.
+    """Packs samples into rows of ``seq_len + 1`` tokens with a per-token loss weight.
 
     With ``agent_frames`` (agent_data.py), a share of rows opens with one Claude Code session.
 
     A task sample is never split across rows; the space left at the end of a row is filled
     with raw code. Raw code / English carry loss on every token, task samples on the
-    assistant reply only (``mask[t]`` says whether token t is a training target).
+    assistant reply only (``mask[t]`` is token t's loss weight: 0 = not a target). With
+    ``focus_weight`` > 1, the reply's tokens at a rename's sites weigh that much (`focus_spans`).
     """
 
     def __init__(self, tok, code_files, english_files, seq_len: int, seed: int, mix=MIX,
-                 min_lines=40, max_lines=300, retries=0, agent_frames=None, agent_share=0.0):
+                 min_lines=40, max_lines=300, retries=0, agent_frames=None, agent_share=0.0, focus_weight=1):
         self.tok, self.code, self.eng = tok, code_files, english_files
         self.T = seq_len + 1
         self.rng = random.Random(seed)
@@ -421,6 +465,7 @@ class RowBuilder:
         self.stats: dict[str, int] = {}
         self.retries = retries
         self.agent_frames, self.agent_share = agent_frames, agent_share
+        self.focus_weight = focus_weight
 
     def _agent(self):
         """A Claude Code session (agent_data.py) that fits in a row, or None."""
@@ -428,10 +473,10 @@ class RowBuilder:
 
         for _ in range(16):
             path, text = self.rng.choice(self.code)
-            segments = agent_data.make_session(self.agent_frames, path, text, self.rng)
-            if segments is None:
+            session = agent_data.make_session(self.agent_frames, path, text, self.rng)
+            if session is None:
                 continue
-            ids, mask = agent_data.encode_segments(self.tok, segments)
+            ids, mask = agent_data.encode_segments(self.tok, *session, focus_weight=self.focus_weight)
             if len(ids) < self.T:
                 return ids + [self.eot], mask + [0]
         return None
@@ -449,9 +494,10 @@ class RowBuilder:
         s = make_task(kind, path, text, self.rng, self.min_lines, self.max_lines)
         if s is None:
             return None
-        enc = self.tok.encode(s.prompt + s.answer)
-        cut = len(s.prompt)
-        mask = [1 if a >= cut else 0 for a, _ in enc.offsets]
+        text = s.prompt + s.answer
+        enc = self.tok.encode(text)
+        focus = focus_spans(text, s.focus) if self.focus_weight != 1 else []
+        mask = loss_weights(enc.offsets, [(len(s.prompt), len(text))], focus, self.focus_weight)
         ids = enc.ids + [self.eot]
         mask = mask + [0]
         return ids, mask
@@ -463,7 +509,7 @@ class RowBuilder:
             r = self._agent()
             if r is not None:
                 ids, mask = r
-                self.stats["agent"] = self.stats.get("agent", 0) + sum(mask)
+                self.stats["agent"] = self.stats.get("agent", 0) + sum(map(bool, mask))
         while len(ids) < self.T:
             room = self.T - len(ids)
             kind = self.rng.choices(self.kinds, self.weights)[0]
@@ -484,7 +530,7 @@ class RowBuilder:
                 if len(a) > room:  # does not fit: fill the rest with code, sample dropped
                     a, m = self._raw(self.code, room)
                     kind = "code"
-            self.stats[kind] = self.stats.get(kind, 0) + sum(m)
+            self.stats[kind] = self.stats.get(kind, 0) + sum(map(bool, m))
             ids += a
             mask += m
         return ids[: self.T], mask[: self.T]

@@ -175,7 +175,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids, targets=None, loss_mask=None, output_hidden_states=False):
         """input_ids (B, T). With ``targets`` (B, T): returns the mean cross-entropy over
-        positions where ``loss_mask`` (B, T, bool) is set (all if None), computing logits only
+        positions where ``loss_mask`` (B, T: bool, or integer weights) is set, weighted (all if None), computing logits only
         there. Without: returns logits (B, T, V). With ``output_hidden_states``: returns
         ``(result, hidden_states)`` where hidden_states[i] is the input of layer i (index 0 =
         embeddings) and hidden_states[-1] the final-normed output, as in HF.
@@ -200,13 +200,16 @@ def causal_lm_forward(model, input_ids, cos, sin, targets=None, loss_mask=None, 
     if targets is None:
         out = x @ w.t().to(x.dtype) if x.dtype != w.dtype else F.linear(x, w)
     else:
-        if loss_mask is not None:
-            sel = loss_mask.reshape(-1)
+        if loss_mask is not None:  # bool, or per-token weights (0 = not a target)
+            sel = loss_mask.reshape(-1) > 0
             h = x.reshape(-1, x.shape[-1])[sel]
             t = targets.reshape(-1)[sel]
+            weight = loss_mask.reshape(-1)[sel].float()
+            ce = F.cross_entropy(F.linear(h, w).float(), t, reduction="none")
+            out = (ce * weight).sum() / weight.sum()
         else:
             h, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-        out = F.cross_entropy(F.linear(h, w).float(), t)
+            out = F.cross_entropy(F.linear(h, w).float(), t)
     return (out, hidden) if output_hidden_states else out
 
 

@@ -44,9 +44,10 @@ def _worker_rows(args):
     seed, n_rows = args
     rb = data.RowBuilder(_W["tok"], _W["code"], _W["eng"], _W["seq_len"], seed, mix=_W["mix"],
                          min_lines=_W["min_lines"], max_lines=_W["max_lines"], retries=_W["retries"],
-                         agent_frames=_W["agent_frames"], agent_share=_W["agent_share"])
+                         agent_frames=_W["agent_frames"], agent_share=_W["agent_share"],
+                         focus_weight=_W["focus_weight"])
     ids = np.empty((n_rows, _W["seq_len"] + 1), np.int32)
-    mask = np.empty((n_rows, _W["seq_len"] + 1), np.bool_)
+    mask = np.empty((n_rows, _W["seq_len"] + 1), np.uint8)  # loss weights
     for i in range(n_rows):
         a, m = rb.row()
         ids[i], mask[i] = a, m
@@ -122,6 +123,8 @@ def main():
                     help="float32 for a stage whose export only initialises the next stage")
     ap.add_argument("--agent-frames", help="frames JSON (agent_data.py frames): rows open with Claude Code sessions")
     ap.add_argument("--agent-share", type=float, default=0.6, help="share of rows that open with a session")
+    ap.add_argument("--focus-weight", type=int, default=1,
+                    help="loss weight of the reply's tokens at a rename's sites and of the path an agent session copies")
     ap.add_argument("--log-every", type=int, default=25, help="steps between loss / tokens-per-second lines")
     args = ap.parse_args()
 
@@ -225,8 +228,9 @@ def main():
     if args.mix:
         mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
     stats["mix"] = mix
+    stats["focus_weight"] = args.focus_weight
     _W.update(tok=tok, code=code, eng=eng, seq_len=args.seq_len, min_lines=args.min_lines, max_lines=args.max_lines,
-              mix=mix, retries=args.pack_retries, agent_share=args.agent_share,
+              mix=mix, retries=args.pack_retries, agent_share=args.agent_share, focus_weight=args.focus_weight,
               agent_frames=agent_data.load_frames(args.agent_frames) if args.agent_frames else None)
     if args.agent_frames:
         stats.update(agent_frames=len(_W["agent_frames"]), agent_share=args.agent_share)
@@ -312,10 +316,10 @@ def main():
         if _W["agent_frames"]:  # Claude Code sessions over held-out files: loss on the model's turns only
             arng, losses = random.Random(997), []
             while len(losses) < 4:
-                segments = agent_data.make_session(_W["agent_frames"], *arng.choice(val_code or code), arng)
-                if segments is None:
+                session = agent_data.make_session(_W["agent_frames"], *arng.choice(val_code or code), arng)
+                if session is None:
                     continue
-                ids, mask = agent_data.encode_segments(tok, segments)
+                ids, mask = agent_data.encode_segments(tok, *session)
                 x = torch.tensor([ids], device=dev)
                 m = torch.tensor([mask], device=dev, dtype=torch.bool)
                 losses.append(model(x[:, :-1], targets=x[:, 1:], loss_mask=m[:, 1:]).item())
