@@ -10,17 +10,54 @@ round, so copy-heavy turns keep lookup's speed.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
 from ..drafter import Draft, Drafter
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
-from .backbone import ContextCache
+from .backbone import ContextCache, DraftRow
 
 DEFAULT_CONTEXT_LIMIT = 4096  # most recent context positions the head attends to
 LOOKUP_OVERRIDE = 8  # a verbatim lookup match this long replaces the head's draft for the round
 LOOKUP_QUERY = 64  # the longest draft lookup may make for the override
+
+
+@dataclass
+class HeadCall:
+    """One sequence's head draft, planned; `draft_together` fills `result` (or `error`)."""
+
+    head: object
+    row: DraftRow
+    result: tuple[list[int], np.ndarray | None] | None = None
+    error: Exception | None = None
+
+
+def draft_together(target, calls: list[HeadCall]) -> None:
+    """Run the calls: those of one head as one batched draft (one head forward, one walk for
+    all rows). Should a batched draft fail, each row drafts alone, so one row's fault stays its own."""
+    groups: dict[int, list[HeadCall]] = {}
+    for c in calls:
+        groups.setdefault(id(c.head), []).append(c)
+    for group in groups.values():
+        try:
+            for c, result in zip(group, group[0].head.draft_rows(target, [c.row for c in group])):
+                c.result = result
+            continue
+        except Exception as e:
+            if len(group) == 1:
+                group[0].error = e
+                continue
+            logging.getLogger(__name__).warning("batched head draft failed, drafting rows alone: %s: %s",
+                                                type(e).__name__, e)
+        for c in group:
+            try:
+                c.result = c.head.draft_rows(target, [c.row])[0]
+            except Exception as e:
+                c.error = e
 
 
 class HeadDrafter(Drafter):
@@ -76,6 +113,15 @@ class HeadDrafter(Drafter):
             self.lookup.commit(tokens, drafted if mine else 0, accepted if mine else 0)
 
     def propose(self, max_len: int) -> Draft:
+        draft = self.plan(max_len)
+        if isinstance(draft, HeadCall):
+            draft_together(self.target, [draft])  # alone: a batch of one row
+            draft = self.take(draft)
+        return draft
+
+    def plan(self, max_len: int) -> "Draft | HeadCall":
+        """This round's draft where it needs no head (a lookup override, nothing), else the
+        head's part of it as a `HeadCall`, for `draft_together` to run with other sequences'."""
         self.source = None
         if not self.tokens:
             return Draft([])
@@ -92,8 +138,13 @@ class HeadDrafter(Drafter):
             return Draft([])
         self._flush()
         position = len(self.tokens) - 1  # the anchor's: every earlier token is in the target's cache
-        tokens, q = self.head.draft(self.target, self.tokens[-1], self.ctx.kv, position, max_len,
-                                    self.sampling, self.rng)
+        return HeadCall(self.head, DraftRow(self.tokens[-1], self.ctx.kv, position, max_len, self.sampling, self.rng))
+
+    def take(self, call: "HeadCall") -> Draft:
+        """The draft of a planned call, once `draft_together` has run it."""
+        if call.error is not None:
+            raise call.error
+        tokens, q = call.result
         self.source = "head"
         return Draft(tokens, q)
 
