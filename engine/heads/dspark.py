@@ -105,65 +105,38 @@ class DSparkHead(Backbone):
 
     def draft_rows(self, target, rows: list[DraftRow]) -> list[tuple[list[int], np.ndarray | None]]:
         """Every row's draft: one head forward for all rows, then the Markov walk over all rows
-        at once (a step per draft position). Each row's tokens are the ones it drafts alone."""
+        at once, a step per draft position. Each row's tokens are the ones it drafts alone."""
         n = max(min(r.max_len, self.max_draft) for r in rows)
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
         h = self(embed(self.block(rows)), [r.ctx for r in rows], [r.position for r in rows])[:, :n]
-        base = self.base_logits(target, h.reshape(-1, h.shape[-1])).reshape(len(rows), n, -1)
-        state = mx.zeros((len(rows), self.cfg.markov_rank), dtype=h.dtype) if self.cfg.markov_head_type == "rnn" else None
-        if all(r.sampling.greedy for r in rows):
-            return self._walk_greedy(rows, h, base, state)
-        return self._walk_sampled(rows, h, base, state)
-
-    def _cut(self, row: DraftRow, confs: list[float]) -> int:
-        """How many tokens the row keeps: its own cap, and none from the first step where
-        the confidences' running product falls below the threshold."""
-        n, alive = min(row.max_len, self.max_draft), 1.0
-        for i, c in enumerate(confs[:n]):
-            alive *= c
-            if alive < self.cfg.confidence_threshold:
-                return i
-        return n
-
-    def _walk_greedy(self, rows, h, base, state):
-        # Each step's bias depends on the token just chosen; greedy, that choice stays on the
-        # device, so the whole walk is one graph and one sync for all rows.
-        prev = mx.array([r.anchor for r in rows], dtype=mx.uint32)
-        tokens, confs = [], []
-        for i in range(base.shape[1]):
-            bias, conf, state = self._step(h[:, i], prev, state)
-            prev = mx.argmax(base[:, i] + bias, axis=-1)
-            tokens.append(prev)
-            if conf is not None:
-                confs.append(conf)
-        tokens = mx.stack(tokens, axis=1).tolist()
-        confs = mx.stack(confs, axis=1).tolist() if confs else [[] for _ in rows]
-        return [(t[: self._cut(r, c)], None) for r, t, c in zip(rows, tokens, confs)]
-
-    def _walk_sampled(self, rows, h, base, state):
-        # A sampled token is drawn on the host from the row's own generator: one sync per step
-        # for all rows. A row stops drawing where it stops alone (its generator advances alike).
         thr = self.cfg.confidence_threshold
-        prev = [r.anchor for r in rows]
         caps = [min(r.max_len, self.max_draft) for r in rows]
+        sampled = not all(r.sampling.greedy for r in rows)
+        state = mx.zeros((len(rows), self.cfg.markov_rank), dtype=h.dtype) if self.cfg.markov_head_type == "rnn" else None
+        prev = [r.anchor for r in rows]
         tokens, qs, alive = [[] for _ in rows], [[] for _ in rows], [1.0] * len(rows)
         live = [c > 0 for c in caps]
-        for i in range(base.shape[1]):
+        # Each step's bias depends on the token just chosen, and the confidence ends most drafts
+        # after a token or two: a step per position for all rows, one sync each, the vocabulary
+        # projection only for the positions reached (a row stops drawing where it stops alone).
+        for i in range(n):
             if not any(live):
                 break
             bias, conf, state = self._step(h[:, i], mx.array(prev, dtype=mx.uint32), state)
-            logits = base[:, i] + bias
-            mx.eval(logits, conf) if conf is not None else mx.eval(logits)
+            logits = self.base_logits(target, h[:, i]) + bias
+            best = mx.argmax(logits, axis=-1)
+            mx.eval(best, *(c for c in (conf,) if c is not None), *((logits,) if sampled else ()))
+            best, conf = best.tolist(), (None if conf is None else conf.tolist())
             for b, r in enumerate(rows):
                 if not live[b]:
                     continue
                 if conf is not None:
-                    alive[b] *= conf[b].item()
+                    alive[b] *= conf[b]
                     if alive[b] < thr:
                         live[b] = False
                         continue
                 if r.sampling.greedy:
-                    tok = int(mx.argmax(logits[b]).item())
+                    tok = best[b]
                 else:
                     q = target_probs(logits[b : b + 1], r.sampling)[0]
                     tok = int(r.rng.choice(q.shape[0], p=q))
