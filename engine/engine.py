@@ -168,6 +168,7 @@ class Engine:
             raise ValueError(f"max_batch must be a whole number >= 1 or 'auto', not {max_batch!r}")
         self.max_batch = 1 if max_batch == "auto" else max_batch
         self.batched_rounds = 0  # sequence rounds verified in a batched forward
+        self.batched_drafts = 0  # sequence rounds whose head draft ran in a batched draft
         self._batch = BatchCache()  # the KV of every sequence that decodes batched (engine/batch_cache.py)
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
         self._waiting: collections.deque[Job] = collections.deque()
@@ -407,7 +408,7 @@ class Engine:
                        if job.phase != "prefill" or job is lead or job.cancelled]
             drafting = [(job, steps, c) for job, steps, c in stepped if isinstance(c, HeadCall)]
             if drafting:  # the heads' drafts of this round, one batched draft per head
-                draft_together(self.target, [c for _, _, c in drafting])
+                self.batched_drafts += draft_together(self.target, [c for _, _, c in drafting])
                 stepped += [(job, steps, self._step(job, steps)) for job, steps, _ in drafting]
             forwards = [f for _, _, f in stepped if isinstance(f, Forward)]
             if forwards:

@@ -36,16 +36,19 @@ class HeadCall:
     error: Exception | None = None
 
 
-def draft_together(target, calls: list[HeadCall]) -> None:
+def draft_together(target, calls: list[HeadCall]) -> int:
     """Run the calls: those of one head as one batched draft (one head forward, one walk for
-    all rows). Should a batched draft fail, each row drafts alone, so one row's fault stays its own."""
+    all rows). Should a batched draft fail, each row drafts alone, so one row's fault stays its
+    own. Returns how many calls were drafted in a batch."""
     groups: dict[int, list[HeadCall]] = {}
     for c in calls:
         groups.setdefault(id(c.head), []).append(c)
+    batched = 0
     for group in groups.values():
         try:
             for c, result in zip(group, group[0].head.draft_rows(target, [c.row for c in group])):
                 c.result = result
+            batched += len(group) if len(group) > 1 else 0
             continue
         except Exception as e:
             if len(group) == 1:
@@ -58,6 +61,7 @@ def draft_together(target, calls: list[HeadCall]) -> None:
                 c.result = c.head.draft_rows(target, [c.row])[0]
             except Exception as e:
                 c.error = e
+    return batched
 
 
 class HeadDrafter(Drafter):
