@@ -69,15 +69,20 @@ class BatchSurface:
     measured: bool = True  # False: the default (no numbers: batching as issue 14's CPU runs chose)
     measured_at: str = ""
     measure_s: float = 0.0
+    _cells: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def default(cls, key: dict | None = None) -> "BatchSurface":
         return cls([1], [1], [[1.0]], key=dict(key or {}), measured=False)
 
     def step_seconds(self, batch: int, width: int) -> float:
-        """Interpolated seconds of a forward over `batch` sequences of `width` tokens each."""
-        column = [_interp(self.widths, row, width) for row in self.seconds]
-        return _interp(self.batches, column, batch)
+        """Interpolated seconds of a forward over `batch` sequences of `width` tokens each
+        (remembered: the scheduler and every sequence's draft cap ask per round)."""
+        cell = self._cells.get((batch, width))
+        if cell is None:
+            column = [_interp(self.widths, row, width) for row in self.seconds]
+            cell = self._cells[batch, width] = _interp(self.batches, column, batch)
+        return cell
 
     def factor(self, batch: int, width: int) -> float:
         """How much dearer a width-w forward is, relative to a plain step, among b decoding

@@ -109,6 +109,7 @@ class DSparkHead(Backbone):
         n = max(min(r.max_len, self.max_draft) for r in rows)
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
         h = self(embed(self.block(rows)), [r.ctx for r in rows], [r.position for r in rows])[:, :n]
+        base = self.base_logits(target, h.reshape(-1, h.shape[-1])).reshape(len(rows), n, -1)
         thr = self.cfg.confidence_threshold
         caps = [min(r.max_len, self.max_draft) for r in rows]
         sampled = not all(r.sampling.greedy for r in rows)
@@ -117,13 +118,14 @@ class DSparkHead(Backbone):
         tokens, qs, alive = [[] for _ in rows], [[] for _ in rows], [1.0] * len(rows)
         live = [c > 0 for c in caps]
         # Each step's bias depends on the token just chosen, and the confidence ends most drafts
-        # after a token or two: a step per position for all rows, one sync each, the vocabulary
-        # projection only for the positions reached (a row stops drawing where it stops alone).
+        # after a token or two: a step per position for all rows, one (cheap) sync each, up to
+        # the last position a row reaches (a row stops drawing where it stops alone). The base
+        # logits came in one projection above: the vocabulary weights are read once.
         for i in range(n):
             if not any(live):
                 break
             bias, conf, state = self._step(h[:, i], mx.array(prev, dtype=mx.uint32), state)
-            logits = self.base_logits(target, h[:, i]) + bias
+            logits = base[:, i] + bias
             best = mx.argmax(logits, axis=-1)
             mx.eval(best, *(c for c in (conf,) if c is not None), *((logits,) if sampled else ()))
             best, conf = best.tolist(), (None if conf is None else conf.tolist())
