@@ -100,13 +100,15 @@ class ContextAttention(nn.Module):
         k, v = self._kv(h_ctx)
         return rope(k, offset=offset), v
 
-    def __call__(self, x: mx.array, ctx: list, rope, offsets: list[int]) -> mx.array:
+    def __call__(self, x: mx.array, ctx: list, rope, offsets: list[int], queries: int | None = None) -> mx.array:
         """Blocks x (B, L, d) of B rows, row b at absolute position offsets[b] with its own
         context keys/values ctx[b] (or None). Projections run once for all rows; attention
         per row, over that row's own context: rows' contexts differ in length and need no
-        padding, and each row attends exactly as it would alone."""
+        padding, and each row attends exactly as it would alone. `queries`: only the first
+        that many positions attend (every position is still a key): (B, queries, d)."""
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        Q = L if queries is None else min(queries, L)
+        q = self.q_norm(self.q_proj(x[:, :Q] if Q < L else x).reshape(B, Q, self.n_heads, -1)).transpose(0, 2, 1, 3)
         k, v = self._kv(x)
         out = []
         for b, offset in enumerate(offsets):
@@ -120,10 +122,10 @@ class ContextAttention(nn.Module):
                 kb, vb = mx.concatenate([ck, kb], axis=2), mx.concatenate([cv, vb], axis=2)
             mask = None
             if self.causal:  # block attends causally within itself, to all context
-                mask = mx.arange(S + L)[None] <= (S + mx.arange(L))[:, None]
+                mask = mx.arange(S + L)[None] <= (S + mx.arange(Q))[:, None]
             out.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=self.scale, mask=mask))
         out = out[0] if B == 1 else mx.concatenate(out, axis=0)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, Q, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -134,8 +136,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx, rope, offsets):
-        h = x + self.self_attn(self.input_layernorm(x), ctx, rope, offsets)
+    def __call__(self, x, ctx, rope, offsets, queries=None):
+        """`queries`: only the first that many positions come out (the last layer's other
+        positions feed no draft)."""
+        h = (x if queries is None else x[:, :queries]) + self.self_attn(
+            self.input_layernorm(x), ctx, rope, offsets, queries)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -175,14 +180,18 @@ class Backbone(nn.Module):
         h = self.hidden_norm(self.fc(feats[None]))
         return [layer.self_attn.context_kv(h, self._rope, offset) for layer in self.layers]
 
-    def __call__(self, x: mx.array, ctx: list | None, offset: int | list[int]) -> mx.array:
+    def __call__(self, x: mx.array, ctx: list | None, offset: int | list[int], keep: int | None = None) -> mx.array:
         """Block embeddings (B, L, hidden) -> normed states. One row: `ctx` its per-layer
         context (or None), `offset` its absolute position. B rows: `ctx` a list of those per
-        row and `offset` a list of positions (engine/heads/drafter.py drafts rows together)."""
+        row and `offset` a list of positions (engine/heads/drafter.py drafts rows together).
+        `keep`: only the first that many positions' states are wanted (B, keep, hidden); the
+        last layer computes no others (a short draft's cap leaves most of the block unread)."""
         rows = isinstance(offset, list)
         ctx, offsets = (ctx, offset) if rows else ([ctx], [offset])
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, [None if c is None else c[i] for c in ctx], self._rope, offsets)
+            own = [None if c is None else c[i] for c in ctx]
+            x = layer(x, own, self._rope, offsets, keep) if i == last and keep is not None else layer(x, own, self._rope, offsets)
         return self.norm(x)
 
 

@@ -50,7 +50,7 @@ class DFlashHead(Backbone):
         as many as the longest row's cap: (rows, n, hidden), (rows, n, vocab)."""
         n = max(min(r.max_len, self.max_draft) for r in rows)
         x = target.embed(self.block(rows)) * self.cfg.input_embedding_scale
-        h = self(x, [r.ctx for r in rows], [r.position for r in rows])[:, 1 : n + 1]
+        h = self(x, [r.ctx for r in rows], [r.position for r in rows], keep=n + 1)[:, 1:]
         return h, self.logits(target, h)
 
     def draft_rows(self, target, rows: list[DraftRow]) -> list[tuple[list[int], np.ndarray | None]]:
@@ -104,11 +104,12 @@ class DFlash2Layer(DecoderLayer):
         self.attention_conv = DynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = DynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, x, ctx, rope, offsets):
+    def __call__(self, x, ctx, rope, offsets, queries=None):
         h, k = self.attention_conv.prepare(self.input_layernorm(x))
         x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope, offsets), k)
         h, k = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(h), k)
+        x = x + self.mlp_conv.finish(self.mlp(h), k)
+        return x if queries is None else x[:, :queries]  # the convolutions need every position
 
 
 class CandidateSelector(nn.Module):

@@ -108,7 +108,7 @@ class DSparkHead(Backbone):
         at once, a step per draft position. Each row's tokens are the ones it drafts alone."""
         n = max(min(r.max_len, self.max_draft) for r in rows)
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
-        h = self(embed(self.block(rows)), [r.ctx for r in rows], [r.position for r in rows])[:, :n]
+        h = self(embed(self.block(rows)), [r.ctx for r in rows], [r.position for r in rows], keep=n)
         base = self.base_logits(target, h.reshape(-1, h.shape[-1])).reshape(len(rows), n, -1)
         thr = self.cfg.confidence_threshold
         caps = [min(r.max_len, self.max_draft) for r in rows]
