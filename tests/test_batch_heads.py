@@ -102,20 +102,27 @@ def test_batched_drafts_equal_each_rows_own(tiny_target, heads, kind):
     head = load_head(heads[kind], tiny_target)
     if kind == "dspark":
         head.cfg.confidence_threshold = 0.02  # drafts of several tokens, cut at different places
-    rows = drafters(tiny_target, head, rounds=2)
-    assert len({len(d.ctx) for d in rows}) == len(rows)  # different context lengths
     for caps in ([16, 3, 1, 5], [2, 0, 16, 7], [16, 16, 16, 16]):
+        # twins: the same sequences, each with new context features pending (from prefill and
+        # two rounds), drafting alone and together
+        rows, twins = drafters(tiny_target, head, rounds=2), drafters(tiny_target, head, rounds=2)
         alone = [d.propose(c).tokens for d, c in zip(rows, caps)]
-        calls = [d.plan(c) for d, c in zip(rows, caps)]
+        assert len({len(d.tokens) for d in rows}) == len(rows)  # different context lengths
+        calls = [d.plan(c) for d, c in zip(twins, caps)]
         assert [isinstance(c, HeadCall) for c in calls] == [c > 0 for c in caps]
         draft_together(tiny_target, [c for c in calls if isinstance(c, HeadCall)])
-        together = [d.take(c).tokens if isinstance(c, HeadCall) else c.tokens for d, c in zip(rows, calls)]
+        together = [d.take(c).tokens if isinstance(c, HeadCall) else c.tokens for d, c in zip(twins, calls)]
+        for d, twin, cap in zip(rows, twins, caps):  # the context keys/values projected together
+            if cap:
+                assert all(mx.allclose(k1, k2, atol=1e-4) and mx.allclose(v1, v2, atol=1e-4)
+                           for (k1, v1), (k2, v2) in zip(d.ctx.kv, twin.ctx.kv))
         for d, cap, a, b in zip(rows, caps, alone, together):
             assert len(a) <= cap and len(b) <= cap
             if a != b:  # a batched matmul rounded differently: only at a near-tie
                 i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                call = d.plan(cap)
-                assert top_two_gap(step_scores(tiny_target, head, call.row, a[:i])) < NEAR_TIE, (kind, caps, a, b)
+                row = d.plan(cap).row
+                row.ctx = d.ctx.kv  # the context it drafted from (nothing new is pending)
+                assert top_two_gap(step_scores(tiny_target, head, row, a[:i])) < NEAR_TIE, (kind, caps, a, b)
         assert any(len(t) > 1 for t in together)
 
     # sampled rows (each its own seeded generator) beside a greedy one: the same draws, the same q

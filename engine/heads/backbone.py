@@ -177,8 +177,22 @@ class Backbone(nn.Module):
 
     def context_kv(self, feats: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
         """Per-layer keys and values for context features (n, taps*hidden) starting at `offset`."""
+        return self.context_kvs([(feats, offset)])[0]
+
+    def context_kvs(self, chunks: list[tuple[mx.array, int]]) -> list[list[tuple[mx.array, mx.array]]]:
+        """`context_kv` of several chunks (several sequences' new features): one projection of
+        them all, each chunk's keys then rotated to its own positions."""
+        feats = mx.concatenate([f for f, _ in chunks]) if len(chunks) > 1 else chunks[0][0]
         h = self.hidden_norm(self.fc(feats[None]))
-        return [layer.self_attn.context_kv(h, self._rope, offset) for layer in self.layers]
+        out: list[list] = [[] for _ in chunks]
+        for layer in self.layers:
+            k, v = layer.self_attn._kv(h)
+            start = 0
+            for kvs, (f, offset) in zip(out, chunks):
+                end = start + f.shape[0]
+                kvs.append((self._rope(k[:, :, start:end], offset=offset), v[:, :, start:end]))
+                start = end
+        return out
 
     def __call__(self, x: mx.array, ctx: list | None, offset: int | list[int], keep: int | None = None) -> mx.array:
         """Block embeddings (B, L, hidden) -> normed states. One row: `ctx` its per-layer

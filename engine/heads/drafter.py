@@ -30,24 +30,24 @@ LOOKUP_QUERY = 64  # the longest draft lookup may make for the override
 class HeadCall:
     """One sequence's head draft, planned; `draft_together` fills `result` (or `error`)."""
 
-    head: object
-    row: DraftRow
+    drafter: "HeadDrafter"
+    row: DraftRow  # its `ctx` is set by draft_together, once the pending context is in
     result: tuple[list[int], np.ndarray | None] | None = None
     error: Exception | None = None
 
 
 def draft_together(target, calls: list[HeadCall]) -> int:
-    """Run the calls: those of one head as one batched draft (one head forward, one walk for
-    all rows). Should a batched draft fail, each row drafts alone, so one row's fault stays its
-    own. Returns how many calls were drafted in a batch."""
+    """Run the calls: those of one head as one batched draft (their new context features in
+    one projection, one head forward, one walk for all rows). Should a batched draft fail,
+    each row drafts alone, so one row's fault stays its own. Returns how many calls were
+    drafted in a batch."""
     groups: dict[int, list[HeadCall]] = {}
     for c in calls:
-        groups.setdefault(id(c.head), []).append(c)
+        groups.setdefault(id(c.drafter.head), []).append(c)
     batched = 0
     for group in groups.values():
         try:
-            for c, result in zip(group, group[0].head.draft_rows(target, [c.row for c in group])):
-                c.result = result
+            _draft(target, group)
             batched += len(group) if len(group) > 1 else 0
             continue
         except Exception as e:
@@ -58,10 +58,30 @@ def draft_together(target, calls: list[HeadCall]) -> int:
                                                 type(e).__name__, e)
         for c in group:
             try:
-                c.result = c.head.draft_rows(target, [c.row])[0]
+                _draft(target, [c])
             except Exception as e:
                 c.error = e
     return batched
+
+
+def _draft(target, calls: list[HeadCall]) -> None:
+    flush_together([c.drafter for c in calls])
+    for c in calls:
+        c.row.ctx = c.drafter.ctx.kv
+    for c, result in zip(calls, calls[0].drafter.head.draft_rows(target, [c.row for c in calls])):
+        c.result = result
+
+
+def flush_together(drafters: list["HeadDrafter"]) -> None:
+    """Every drafter's pending context features (all one head's) into its context keys and
+    values, in one projection; a drafter's pending features stay where the projection fails."""
+    chunks = [(d, chunk) for d in drafters for chunk in d.pending_chunks()]
+    if chunks:
+        kvs = drafters[0].head.context_kvs([chunk for _, chunk in chunks])
+        for (d, _), kv in zip(chunks, kvs):
+            d.ctx.add(kv)
+    for d in drafters:
+        d.pending = []
 
 
 class HeadDrafter(Drafter):
@@ -140,9 +160,8 @@ class HeadDrafter(Drafter):
                 return Draft(found.tokens, verbatim=True, source="lookup")
         if max_len <= 0:
             return Draft([])
-        self._flush()
         position = len(self.tokens) - 1  # the anchor's: every earlier token is in the target's cache
-        return HeadCall(self.head, DraftRow(self.tokens[-1], self.ctx.kv, position, max_len, self.sampling, self.rng))
+        return HeadCall(self, DraftRow(self.tokens[-1], None, position, max_len, self.sampling, self.rng))
 
     def take(self, call: "HeadCall") -> Draft:
         """The draft of a planned call, once `draft_together` has run it."""
@@ -161,13 +180,16 @@ class HeadDrafter(Drafter):
                 start += int(c.shape[0])
             self.prefill_chunks = []
 
-    def _flush(self) -> None:
+    def pending_chunks(self) -> list[tuple[mx.array, int]]:
+        """The context features not yet in the head's context, (features, position), oldest first."""
         self._place_prefill()
-        if not self.pending:
-            return
         oldest = len(self.tokens) - 1 - (self.context_limit or 1 << 62)
+        chunks = []
         for feats, pos in self.pending:
             skip = max(0, oldest - pos)  # rows older than the window would be dropped anyway
             if skip < feats.shape[0]:
-                self.ctx.add(self.head.context_kv(feats[skip:], pos + skip))
-        self.pending = []
+                chunks.append((feats[skip:], pos + skip))
+        return chunks
+
+    def _flush(self) -> None:
+        flush_together([self])
