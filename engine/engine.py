@@ -9,7 +9,9 @@ chunk or a decode round): a short request no longer waits for a long one to fini
 Each job keeps its own cache and drafter, so its output is what it would be alone; with
 max_batch > 1 a decoding job's attention KV lives in a row of one persistent BatchCache
 (engine/batch_cache.py) from the end of its prefill to its end, so the decoding jobs'
-verify forwards run as one batched forward without copying any KV per round.
+verify forwards run as one batched forward without copying any KV per round. Their head
+drafts (DSpark, DFlash) run batched too: each round a job first hands the scheduler its
+`HeadCall`, and one head forward and one walk draft every row (engine/heads/drafter.py).
 """
 
 from __future__ import annotations

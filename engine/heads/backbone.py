@@ -96,10 +96,6 @@ class ContextAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return k, v
 
-    def context_kv(self, h_ctx: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
-        k, v = self._kv(h_ctx)
-        return rope(k, offset=offset), v
-
     def __call__(self, x: mx.array, ctx: list, rope, offsets: list[int], queries: int | None = None) -> mx.array:
         """Blocks x (B, L, d) of B rows, row b at absolute position offsets[b] with its own
         context keys/values ctx[b] (or None). Projections run once for all rows; attention

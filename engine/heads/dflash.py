@@ -24,7 +24,7 @@ import numpy as np
 
 import mlx.nn as nn
 
-from ..sampling import SamplingParams, target_probs
+from ..sampling import target_probs
 from .backbone import Backbone, DecoderLayer, DraftRow, HeadConfig
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")

@@ -6,6 +6,12 @@ then sees a recent window) and, each round, the states of the tokens that entere
 cache through `commit`. They are turned into the head's per-layer keys and values
 lazily, at the next head draft. A long lookup match replaces the head's draft for that
 round, so copy-heavy turns keep lookup's speed.
+
+Drafting is batched across sequences: `plan` returns the head's part of a round as a
+`HeadCall`, and `draft_together` runs the calls of one head as one draft (the rows' new
+context features in one projection, one head forward, one walk over all rows; each row
+attends over its own context, so rows of different lengths need no padding). A single
+sequence's `propose` is the same path with one row.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..sampling import SamplingParams, target_probs
+from ..sampling import target_probs
 from .backbone import Backbone, DraftRow, HeadConfig
 
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Gemma4DSparkModel")
@@ -127,7 +127,7 @@ class DSparkHead(Backbone):
             bias, conf, state = self._step(h[:, i], mx.array(prev, dtype=mx.uint32), state)
             logits = base[:, i] + bias
             best = mx.argmax(logits, axis=-1)
-            mx.eval(best, *(c for c in (conf,) if c is not None), *((logits,) if sampled else ()))
+            mx.eval([best] + ([] if conf is None else [conf]) + ([logits] if sampled else []))
             best, conf = best.tolist(), (None if conf is None else conf.tolist())
             for b, r in enumerate(rows):
                 if not live[b]:
