@@ -44,6 +44,8 @@ def heads(tiny_model_dir, tmp_path_factory):
         "dspark_gated": random_head_checkpoint(root / "dspark_gated", dspark_config(
             tc, mask_token_id=0, target_layer_ids=[1], markov_rank=8, markov_head_type="gated",
             confidence=False, layers=2), seed=3),
+        "dspark_rnn": random_head_checkpoint(root / "dspark_rnn", dspark_config(
+            tc, mask_token_id=0, target_layer_ids=[0], markov_rank=8, markov_head_type="rnn"), seed=5),
         "dflash": random_head_checkpoint(root / "dflash", dflash_config(
             tc, mask_token_id=0, target_layer_ids=[0, 1], block_size=8, layers=2), seed=1),
         "dflash2": random_head_checkpoint(root / "dflash2", dflash_config(
@@ -72,12 +74,16 @@ def step_scores(target, head, row, prefix: list[int]) -> mx.array:
     """What the head chooses draft position len(prefix) from, the row drafted alone after `prefix`:
     its logits (DSpark: with the Markov bias of the previous token; DFlash 2: the selector's
     candidate scores)."""
-    i, prev = len(prefix), (prefix[-1] if prefix else row.anchor)
+    i = len(prefix)
+    prev = prefix[-1] if prefix else row.anchor
     if head.kind == "dspark":
-        h = head(head.embed_tokens(head.block([row])) if "embed_tokens" in head else target.embed(head.block([row])),
-                 [row.ctx], [row.position])[0, i : i + 1]
-        bias, _, _ = head._step(h, mx.array([prev]), None)
-        return (head.base_logits(target, h) + bias)[0]
+        embed = head.embed_tokens if "embed_tokens" in head else target.embed
+        h = head(embed(head.block([row])), [row.ctx], [row.position])[0]
+        rnn = head.cfg.markov_head_type == "rnn"
+        state = mx.zeros((1, head.cfg.markov_rank)) if rnn else None
+        for j, tok in enumerate([row.anchor, *prefix]):  # the walk up to position i (an rnn's state)
+            bias, _, state = head._step(h[j : j + 1], mx.array([tok]), state)
+        return (head.base_logits(target, h[i : i + 1]) + bias)[0]
     h, logits = head.block_states(target, [row])
     if "candidate_selector" not in head:
         return logits[0, i]
@@ -94,13 +100,13 @@ def top_two_gap(scores: mx.array) -> float:
     return top[1] - top[0]
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dspark_gated", "dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark_gated", "dspark_rnn", "dflash", "dflash2"])
 def test_batched_drafts_equal_each_rows_own(tiny_target, heads, kind):
     """Four rows (contexts of 5 to 60 tokens, positions apart, caps 1 to 16 and one row not
     drafting) in one batched draft: each row's tokens are its own alone, or differ first at a
     near-tie; greedy rows beside sampled ones; and a single row drafts as a batch of one."""
     head = load_head(heads[kind], tiny_target)
-    if kind == "dspark":
+    if head.cfg.enable_confidence_head:
         head.cfg.confidence_threshold = 0.02  # drafts of several tokens, cut at different places
     for caps in ([16, 3, 1, 5], [2, 0, 16, 7], [16, 16, 16, 16]):
         # twins: the same sequences, each with new context features pending (from prefill and
