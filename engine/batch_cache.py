@@ -173,12 +173,13 @@ class BatchCache:
 
     # -- forwards ------------------------------------------------------------------------------
 
-    def forward(self, target, forwards: list) -> None:
+    def forward(self, target, forwards: list, width: int | None = None) -> None:
         """Run these rows' verify forwards (batch_verify.Forward, each on one of this batch's
-        rows) as one forward over rows 0..used-1; each Forward gets its result."""
+        rows) as one forward over rows 0..used-1, `width` tokens wide (at least the widest
+        forward); each Forward gets its result."""
         slots = [f.cache[0].slot for f in forwards]
         n = self.used
-        width = max(len(f.tokens) for f in forwards)
+        width = max(width or 0, *(len(f.tokens) for f in forwards))
         tokens = np.zeros((n, width), dtype=np.uint32)  # rows without a forward: a dummy token past their end
         for slot, f in zip(slots, forwards):
             tokens[slot, : len(f.tokens)] = f.tokens

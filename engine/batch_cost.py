@@ -27,9 +27,12 @@ from .cost_curve import cache_dir, curve_key, curve_path, write_json
 
 # 2: measured through the persistent BatchCache. Surfaces of 1 priced a per-round KV copy that
 # no longer happens (they undersold batching): measured again.
-SURFACE_VERSION = 2
+# 3: every width up to 8 measured, and a batched forward runs at the widest width that measured
+# no dearer (`padded_width`): on this project's CPU, 4 rows of 3 tokens took 31 ms and 4 rows of
+# 4 took 21 (the BLAS's blocking likes 16 rows); version 2 capped the slow cell without padding.
+SURFACE_VERSION = 3
 BATCHES = (1, 2, 4, 8)
-WIDTHS = (1, 2, 4, 8, 16, 32)
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 DEPTH = 1024  # context per sequence (attention's share of a forward grows with it)
 REPEATS = 3
 # What `--max-batch auto` and `doctor` measure when nothing is cached (seconds on a CPU);
@@ -69,15 +72,20 @@ class BatchSurface:
     measured: bool = True  # False: the default (no numbers: batching as issue 14's CPU runs chose)
     measured_at: str = ""
     measure_s: float = 0.0
+    _cells: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def default(cls, key: dict | None = None) -> "BatchSurface":
         return cls([1], [1], [[1.0]], key=dict(key or {}), measured=False)
 
     def step_seconds(self, batch: int, width: int) -> float:
-        """Interpolated seconds of a forward over `batch` sequences of `width` tokens each."""
-        column = [_interp(self.widths, row, width) for row in self.seconds]
-        return _interp(self.batches, column, batch)
+        """Interpolated seconds of a forward over `batch` sequences of `width` tokens each
+        (remembered: the scheduler and every sequence's draft cap ask per round)."""
+        cell = self._cells.get((batch, width))
+        if cell is None:
+            column = [_interp(self.widths, row, width) for row in self.seconds]
+            cell = self._cells[batch, width] = _interp(self.batches, column, batch)
+        return cell
 
     def factor(self, batch: int, width: int) -> float:
         """How much dearer a width-w forward is, relative to a plain step, among b decoding
@@ -90,6 +98,16 @@ class BatchSurface:
         own = lambda w: (self.step_seconds(batch, w) if self.is_batched(w)  # noqa: E731
                          else batch * self.step_seconds(1, w))
         return (own(width) / own(1)) / (self.step_seconds(1, width) / self.step_seconds(1, 1))
+
+    def padded_width(self, batch: int, width: int) -> int:
+        """The width a batched forward of `batch` rows, its widest draft `width`, runs at: the
+        widest measured width that measured no dearer. A cell slower than a wider one is capped
+        to the wider one's time when measured, so the surface prices such a width as padded;
+        this is that padding (padding lies past each row's length: nothing reads it)."""
+        if batch < 2 or not self.measured or width not in self.widths:
+            return width
+        cost = self.step_seconds(batch, width)
+        return max(w for w in self.widths if w >= width and self.step_seconds(batch, w) <= cost)
 
     def saving(self, batch: int, width: int) -> float:
         """The share of forward-seconds batching saves against running the b forwards alone."""
@@ -231,8 +249,9 @@ def measure_batch_surface(
                 if store.owns(c):
                     store.leave(c)
     rows = [[statistics.median(passes[(b, w)]) for w in widths] for b in batches]
-    # Interference only ever adds time: a pass slower than a wider one, or than one of more
-    # sequences, was disturbed (on a loaded CPU one cell measured 947 ms beside 356 ms for twice the rows).
+    # A pass slower than a wider one is priced as the wider one: the batched forward pads to it
+    # (`padded_width`). One slower than a pass of more sequences was disturbed: interference only
+    # ever adds time (on a loaded CPU one cell measured 947 ms beside 356 ms for twice the rows).
     for j in range(len(rows) - 1, -1, -1):
         row = rows[j]
         for i in range(len(row) - 1, -1, -1):

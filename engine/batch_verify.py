@@ -63,7 +63,8 @@ def run_forwards(target: Target, forwards: list[Forward], surface: BatchSurface 
                 f.run(target)  # its row alone
         if len(together) > 1 and not store.failed:
             try:
-                store.forward(target, together)
+                widest = max(len(f.tokens) for f in together)
+                store.forward(target, together, surface.padded_width(store.used, widest) if surface else None)
                 batched += len(together)
                 continue
             except Exception as e:  # a model this batched forward doesn't fit: its rows run alone from now on

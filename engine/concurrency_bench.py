@@ -37,7 +37,7 @@ def run_together(engine, prompts: list[list[int]], max_tokens: int, max_batch: i
     from .engine import GenerationRequest
 
     engine.max_batch = max_batch
-    rounds_before = engine.batched_rounds
+    rounds_before, drafts_before = engine.batched_rounds, engine.batched_drafts
     t0 = time.perf_counter()
     jobs = [engine.submit(GenerationRequest(p, max_tokens=max_tokens, sampling=sampling, mode=mode,
                                             max_draft=max_draft)) for p in prompts]
@@ -66,7 +66,8 @@ def run_together(engine, prompts: list[list[int]], max_tokens: int, max_batch: i
     tokens = sum(len(d.token_ids) for d in done)
     ttfts = [f if f is not None else wall for f in first]
     return {"tok_s": tokens / wall if wall > 0 else 0.0, "wall_s": wall, "tokens": tokens, "ttfts": ttfts,
-            "outputs": [list(d.token_ids) for d in done], "batched_rounds": engine.batched_rounds - rounds_before}
+            "outputs": [list(d.token_ids) for d in done], "batched_rounds": engine.batched_rounds - rounds_before,
+            "batched_drafts": engine.batched_drafts - drafts_before}
 
 
 def _side(runs: list[dict]) -> dict:
@@ -78,6 +79,7 @@ def _side(runs: list[dict]) -> dict:
         "ttft_mean_s": med([statistics.mean(r["ttfts"]) for r in runs]),
         "ttft_max_s": med([max(r["ttfts"]) for r in runs]),
         "batched_rounds": int(statistics.median(r["batched_rounds"] for r in runs)),
+        "batched_drafts": int(statistics.median(r["batched_drafts"] for r in runs)),
         "samples": [{"tok_s": round(r["tok_s"], 2), "wall_s": round(r["wall_s"], 4), "tokens": r["tokens"],
                      "ttft_s": [round(x, 4) for x in r["ttfts"]]} for r in runs],
     }
@@ -144,7 +146,7 @@ def row_line(r: dict) -> str:
 
 def format_rows(rows: list[dict]) -> str:
     head = ("content", "requests", "tokens", "one-at-a-time tok/s", "together tok/s", "ratio",
-            "TTFT mean s", "TTFT max s", "batched rounds", "identical")
+            "TTFT mean s", "TTFT max s", "batched rounds", "batched drafts", "identical")
     cells = []
     for r in rows:
         one, tog = r["one_at_a_time"], r["together"]
@@ -152,8 +154,9 @@ def format_rows(rows: list[dict]) -> str:
                       f"{tog['tok_s']:.1f}", f"{r['ratio']:.2f}x" if r["ratio"] else "-",
                       f"{one['ttft_mean_s']:.3f} -> {tog['ttft_mean_s']:.3f}",
                       f"{one['ttft_max_s']:.3f} -> {tog['ttft_max_s']:.3f}", str(tog["batched_rounds"]),
+                      str(tog["batched_drafts"]),
                       "yes" if r["identical"] else f"NO ({r['differing']} of {r['requests']} differ)"))
     widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h) for i, h in enumerate(head)]
-    line = lambda row: "  ".join(c.ljust(w) if i in (0, 9) else c.rjust(w)  # noqa: E731
+    line = lambda row: "  ".join(c.ljust(w) if i in (0, 10) else c.rjust(w)  # noqa: E731
                                  for i, (c, w) in enumerate(zip(row, widths)))
     return "\n".join(line(x).rstrip() for x in [head, ["-" * w for w in widths], *cells])

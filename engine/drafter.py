@@ -46,5 +46,10 @@ class Drafter:
         """At most max_len tokens; only a `verbatim` draft may be longer (the loop bounds it)."""
         return Draft([])
 
+    def plan(self, max_len: int):
+        """`propose`, or a part left for the caller to run batched with other sequences' (a
+        head's `HeadCall`, engine/heads/drafter.py); the drafter's `take(part)` then gives the Draft."""
+        return self.propose(max_len)
+
     def commit(self, tokens: list[int], drafted: int, accepted: int, hidden=None) -> None:
         """`tokens` were appended to the context; `accepted` of `drafted` draft tokens held."""

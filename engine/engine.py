@@ -9,7 +9,9 @@ chunk or a decode round): a short request no longer waits for a long one to fini
 Each job keeps its own cache and drafter, so its output is what it would be alone; with
 max_batch > 1 a decoding job's attention KV lives in a row of one persistent BatchCache
 (engine/batch_cache.py) from the end of its prefill to its end, so the decoding jobs'
-verify forwards run as one batched forward without copying any KV per round.
+verify forwards run as one batched forward without copying any KV per round. Their head
+drafts (DSpark, DFlash) run batched too: each round a job first hands the scheduler its
+`HeadCall`, and one head forward and one walk draft every row (engine/heads/drafter.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .batch_cache import BatchCache, joinable
 from .batch_cost import quick_surface, surface_for
 from .batch_verify import Forward, run_forwards
 from .draft_control import draft_controller
+from .heads.drafter import HeadCall, draft_together
 from .prefill_chunk import chunk_for
 from .chat import chat_text, render_chat
 from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
@@ -167,6 +170,7 @@ class Engine:
             raise ValueError(f"max_batch must be a whole number >= 1 or 'auto', not {max_batch!r}")
         self.max_batch = 1 if max_batch == "auto" else max_batch
         self.batched_rounds = 0  # sequence rounds verified in a batched forward
+        self.batched_drafts = 0  # sequence rounds whose head draft ran in a batched draft
         self._batch = BatchCache()  # the KV of every sequence that decodes batched (engine/batch_cache.py)
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
         self._waiting: collections.deque[Job] = collections.deque()
@@ -402,9 +406,13 @@ class Engine:
             # grow if they took turns), interleaved with every decoding job's rounds. A job just
             # started takes its first step at once (its cached prefix is known after it).
             lead = next((j for j, _ in self._running if j.phase == "prefill"), None)
-            forwards = [f for job, steps in list(self._running)
-                        if job.phase != "prefill" or job is lead or job.cancelled
-                        if isinstance(f := self._step(job, steps), Forward)]
+            stepped = [(job, steps, self._step(job, steps)) for job, steps in list(self._running)
+                       if job.phase != "prefill" or job is lead or job.cancelled]
+            drafting = [(job, steps, c) for job, steps, c in stepped if isinstance(c, HeadCall)]
+            if drafting:  # the heads' drafts of this round, one batched draft per head
+                self.batched_drafts += draft_together(self.target, [c for _, _, c in drafting])
+                stepped += [(job, steps, self._step(job, steps)) for job, steps, _ in drafting]
+            forwards = [f for _, _, f in stepped if isinstance(f, Forward)]
             if forwards:
                 try:
                     surface = surface_for(self.target, self.kv_bits)  # what batching pays for here
@@ -566,11 +574,11 @@ class Engine:
             if controller is not None:  # the draft that pays depends on how many share the forward
                 controller.batch = self._decoding() if self.max_batch > 1 else 1
             rnd = next(rounds)
-            if isinstance(rnd, Forward):  # run by the scheduler, with the other sequences' forwards
+            if isinstance(rnd, Round):
+                yield
+            while not isinstance(rnd, Round):  # a head draft, a verify forward: run by the scheduler with the others'
                 yield rnd
                 rnd = next(rounds)
-            else:
-                yield
             committed.extend(rnd.tokens)
             stats.add_round(rnd.drafted, rnd.accepted, rnd.source)
             if controller is not None:

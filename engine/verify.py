@@ -20,7 +20,7 @@ import numpy as np
 
 from . import cpu_attention
 from .attention_tune import unread_last_call
-from .drafter import Drafter
+from .drafter import Draft, Drafter
 from .errors import CancelledError
 from .rollback import mark, needs_replay, supports_drafts, take_back
 from .state_capture import fits
@@ -91,8 +91,9 @@ def speculative_rounds(
     controller); `hard_cap` (default: the same) bounds `verbatim` drafts, which may
     exceed an adaptive cap. On entry the cache holds the context minus `last_token`;
     after every round it holds the context minus the last committed token, which the
-    next round feeds. `defer_forward`: each round first yields its verify forward (a
-    `batch_verify.Forward`) for the caller to run, batched with other sequences', then its Round.
+    next round feeds. `defer_forward`: each round first yields its head draft where it has
+    one (a `heads.drafter.HeadCall`, for `draft_together`), then its verify forward (a
+    `batch_verify.Forward`), for the caller to run batched with other sequences', then its Round.
     `rollback` ("capture" or "replay"; default: the cost curve's pick for this target) is how
     recurrent layers take back a rejected draft.
     """
@@ -116,7 +117,12 @@ def speculative_rounds(
         k = cap() if drafting else 0
         hc = hard_cap() if callable(hard_cap) else hard_cap
         hard = max(k, hc if hc is not None and drafting else 0)
-        draft = drafter.propose(k) if hard > 0 else None
+        draft = None
+        if hard > 0:
+            draft = drafter.plan(k) if defer_forward else drafter.propose(k)
+            if not isinstance(draft, Draft):  # a head's draft: the caller runs it with other sequences'
+                yield draft
+                draft = drafter.take(draft)
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
         inputs = [y, *draft_tokens]
         before = mark(cache) if draft_tokens else None

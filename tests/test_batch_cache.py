@@ -169,7 +169,7 @@ def test_cancelled_or_failed_sequences_give_their_rows_back(tiny_model_dir, targ
 
 def test_a_batched_forward_that_fails_leaves_its_rows_running_alone(tiny_engine, tiny_model_dir, monkeypatch):
     """A model the batched forward doesn't fit (it raises): the rows run alone, outputs unchanged."""
-    def unfit(self, target, forwards):
+    def unfit(self, target, forwards, width=None):
         raise TypeError("this model's attention takes no per-row offsets")
 
     monkeypatch.setattr(BatchCache, "forward", unfit)
@@ -179,3 +179,36 @@ def test_a_batched_forward_that_fails_leaves_its_rows_running_alone(tiny_engine,
         jobs = [engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")) for i in ids]
         assert [j.result().token_ids for j in jobs] == expected
         assert engine.load()["batched_rounds"] == 0 and "per-row offsets" in engine._batch.failed
+
+
+def test_a_batched_forward_pads_to_a_width_measured_no_dearer(target):
+    """Where 4 rows of 3 tokens measured slower than 4 rows of 4 (the measured cell is capped to
+    the wider one's time), the batched forward runs 4 tokens wide: each row's logits and KV are
+    what the 3-wide forward gives, and nothing past a row's length is read afterwards."""
+    from engine.batch_cost import BatchSurface
+
+    widths = [1, 2, 3, 4, 8]
+    raw = {1: [1.0, 1.1, 1.2, 1.3, 1.6], 4: [2.0, 2.2, 3.5, 2.6, 3.2]}  # 4 rows: width 3 slower than 4
+    capped = {b: [min(row[i:]) for i in range(len(row))] for b, row in raw.items()}
+    surface = BatchSurface([1, 4], widths, [capped[1], capped[4]])
+    assert surface.padded_width(4, 3) == 4 and surface.padded_width(4, 2) == 2 and surface.padded_width(4, 4) == 4
+    assert surface.padded_width(1, 3) == 3 and surface.padded_width(4, 5) == 5  # alone; unmeasured: as is
+    assert surface.step_seconds(4, 3) == surface.step_seconds(4, 4)
+
+    rng = np.random.default_rng(5)
+    contexts = [rng.integers(0, target.vocab_size, size=n).tolist() for n in (7, 20, 33, 50)]
+    drafts = [[1, 2, 3], [4], [5, 6], [7, 8, 9]]
+    results = {}
+    for width in (None, 4):
+        rows = [prefilled(target, c) for c in contexts]
+        store = BatchCache()
+        for c in rows:
+            store.join(c)
+        forwards = [Forward(d, c) for d, c in zip(drafts, rows)]
+        store.forward(target, forwards, width)
+        after = [Forward([9], c) for c in rows]  # the next round reads only what each row holds
+        store.forward(target, after)
+        results[width] = ([f.result[0] for f in forwards + after], [c[0].offset for c in rows])
+    (plain, offsets), (padded, padded_offsets) = results[None], results[4]
+    assert offsets == padded_offsets == [n + len(d) + 1 for n, d in zip((7, 20, 33, 50), drafts)]
+    assert all(mx.allclose(a, b, atol=2e-4) for a, b in zip(plain, padded))

@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -59,6 +60,18 @@ class HeadConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class DraftRow:
+    """One sequence's part of a head draft: rows of one head draft together (`draft_rows`)."""
+
+    anchor: int  # the last committed token, at absolute `position`
+    ctx: list | None  # the sequence's per-layer context keys/values (ContextCache.kv)
+    position: int
+    max_len: int
+    sampling: Any  # SamplingParams
+    rng: np.random.Generator
+
+
 class ContextAttention(nn.Module):
     def __init__(self, cfg: HeadConfig, layer_idx: int):
         super().__init__()
@@ -76,32 +89,39 @@ class ContextAttention(nn.Module):
         self.window = cfg.sliding_window if sliding else None
         self.causal = bool(sliding) if cfg.is_causal is None else bool(cfg.is_causal)
 
-    def _kv(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+    def _kv(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys (before RoPE) and values, (B, kv heads, L, head dim)."""
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return rope(k, offset=offset), v
+        return k, v
 
-    def context_kv(self, h_ctx: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
-        return self._kv(h_ctx, rope, offset)
-
-    def __call__(self, x: mx.array, ctx: tuple[mx.array, mx.array] | None, rope, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, ctx: list, rope, offsets: list[int], queries: int | None = None) -> mx.array:
+        """Blocks x (B, L, d) of B rows, row b at absolute position offsets[b] with its own
+        context keys/values ctx[b] (or None). Projections run once for all rows; attention
+        per row, over that row's own context: rows' contexts differ in length and need no
+        padding, and each row attends exactly as it would alone. `queries`: only the first
+        that many positions attend (every position is still a key): (B, queries, d)."""
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = rope(q, offset=offset)
-        k, v = self._kv(x, rope, offset)
-        S = 0
-        if ctx is not None:
-            ck, cv = ctx
-            if self.window is not None and ck.shape[2] > self.window - 1:
-                ck, cv = ck[:, :, -(self.window - 1) :], cv[:, :, -(self.window - 1) :]
-            S = ck.shape[2]
-            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        mask = None
-        if self.causal:  # block attends causally within itself, to all context
-            mask = mx.arange(S + L)[None] <= (S + mx.arange(L))[:, None]
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        Q = L if queries is None else min(queries, L)
+        q = self.q_norm(self.q_proj(x[:, :Q] if Q < L else x).reshape(B, Q, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k, v = self._kv(x)
+        out = []
+        for b, offset in enumerate(offsets):
+            qb, kb, vb = rope(q[b : b + 1], offset=offset), rope(k[b : b + 1], offset=offset), v[b : b + 1]
+            S = 0
+            if ctx[b] is not None:
+                ck, cv = ctx[b]
+                if self.window is not None and ck.shape[2] > self.window - 1:
+                    ck, cv = ck[:, :, -(self.window - 1) :], cv[:, :, -(self.window - 1) :]
+                S = ck.shape[2]
+                kb, vb = mx.concatenate([ck, kb], axis=2), mx.concatenate([cv, vb], axis=2)
+            mask = None
+            if self.causal:  # block attends causally within itself, to all context
+                mask = mx.arange(S + L)[None] <= (S + mx.arange(Q))[:, None]
+            out.append(mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=self.scale, mask=mask))
+        out = out[0] if B == 1 else mx.concatenate(out, axis=0)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, Q, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -112,8 +132,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx, rope, offset):
-        h = x + self.self_attn(self.input_layernorm(x), ctx, rope, offset)
+    def __call__(self, x, ctx, rope, offsets, queries=None):
+        """`queries`: only the first that many positions come out (the last layer's other
+        positions feed no draft)."""
+        h = (x if queries is None else x[:, :queries]) + self.self_attn(
+            self.input_layernorm(x), ctx, rope, offsets, queries)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -138,15 +161,47 @@ class Backbone(nn.Module):
             max_position_embeddings=cfg.max_position_embeddings,
         )
 
+    def draft(self, target, anchor: int, ctx, position: int, max_len: int,
+              sampling, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+        """One sequence's draft: a batch of one row."""
+        return self.draft_rows(target, [DraftRow(anchor, ctx, position, max_len, sampling, rng)])[0]
+
+    def block(self, rows: list[DraftRow]) -> mx.array:
+        """The rows' blocks [anchor, MASK x (B-1)], (rows, block size)."""
+        mask = [self.cfg.mask_token_id] * (self.cfg.block_size - 1)
+        return mx.array([[r.anchor, *mask] for r in rows], dtype=mx.uint32)
+
     def context_kv(self, feats: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
         """Per-layer keys and values for context features (n, taps*hidden) starting at `offset`."""
-        h = self.hidden_norm(self.fc(feats[None]))
-        return [layer.self_attn.context_kv(h, self._rope, offset) for layer in self.layers]
+        return self.context_kvs([(feats, offset)])[0]
 
-    def __call__(self, x: mx.array, ctx: list | None, offset: int) -> mx.array:
-        """Block embeddings (1, L, hidden) at absolute position `offset` -> normed states."""
+    def context_kvs(self, chunks: list[tuple[mx.array, int]]) -> list[list[tuple[mx.array, mx.array]]]:
+        """`context_kv` of several chunks (several sequences' new features): one projection of
+        them all, each chunk's keys then rotated to its own positions."""
+        feats = mx.concatenate([f for f, _ in chunks]) if len(chunks) > 1 else chunks[0][0]
+        h = self.hidden_norm(self.fc(feats[None]))
+        out: list[list] = [[] for _ in chunks]
+        for layer in self.layers:
+            k, v = layer.self_attn._kv(h)
+            start = 0
+            for kvs, (f, offset) in zip(out, chunks):
+                end = start + f.shape[0]
+                kvs.append((self._rope(k[:, :, start:end], offset=offset), v[:, :, start:end]))
+                start = end
+        return out
+
+    def __call__(self, x: mx.array, ctx: list | None, offset: int | list[int], keep: int | None = None) -> mx.array:
+        """Block embeddings (B, L, hidden) -> normed states. One row: `ctx` its per-layer
+        context (or None), `offset` its absolute position. B rows: `ctx` a list of those per
+        row and `offset` a list of positions (engine/heads/drafter.py drafts rows together).
+        `keep`: only the first that many positions' states are wanted (B, keep, hidden); the
+        last layer computes no others (a short draft's cap leaves most of the block unread)."""
+        rows = isinstance(offset, list)
+        ctx, offsets = (ctx, offset) if rows else ([ctx], [offset])
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, None if ctx is None else ctx[i], self._rope, offset)
+            own = [None if c is None else c[i] for c in ctx]
+            x = layer(x, own, self._rope, offsets, keep) if i == last and keep is not None else layer(x, own, self._rope, offsets)
         return self.norm(x)
 
 

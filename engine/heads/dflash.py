@@ -24,8 +24,8 @@ import numpy as np
 
 import mlx.nn as nn
 
-from ..sampling import SamplingParams, target_probs
-from .backbone import Backbone, DecoderLayer, HeadConfig
+from ..sampling import target_probs
+from .backbone import Backbone, DecoderLayer, DraftRow, HeadConfig
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
@@ -45,21 +45,27 @@ class DFlashHead(Backbone):
         cap = self.cfg.final_logit_softcapping
         return mx.tanh(out / cap) * cap if cap else out
 
-    def block_states(self, target, anchor: int, ctx, position: int, max_len: int) -> tuple[mx.array, mx.array]:
-        """Hidden states and logits of the block [anchor, MASK...] for its first max_len drafts."""
-        n = min(max_len, self.max_draft)
-        block = mx.array([anchor] + [self.cfg.mask_token_id] * (self.cfg.block_size - 1), dtype=mx.uint32)
-        x = target.embed(block)[None] * self.cfg.input_embedding_scale
-        h = self(x, ctx, position)[0, 1 : n + 1]
+    def block_states(self, target, rows: list[DraftRow]) -> tuple[mx.array, mx.array]:
+        """Hidden states and logits of the rows' blocks [anchor, MASK...] for the first drafts,
+        as many as the longest row's cap: (rows, n, hidden), (rows, n, vocab)."""
+        n = max(min(r.max_len, self.max_draft) for r in rows)
+        x = target.embed(self.block(rows)) * self.cfg.input_embedding_scale
+        h = self(x, [r.ctx for r in rows], [r.position for r in rows], keep=n + 1)[:, 1:]
         return h, self.logits(target, h)
 
-    def draft(self, target, anchor: int, ctx, position: int, max_len: int,
-              sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
-        _, logits = self.block_states(target, anchor, ctx, position, max_len)
-        if sampling.greedy:
-            return mx.argmax(logits, axis=-1).tolist(), None
-        q = target_probs(logits, sampling)
-        return [int(rng.choice(q.shape[1], p=row)) for row in q], q
+    def draft_rows(self, target, rows: list[DraftRow]) -> list[tuple[list[int], np.ndarray | None]]:
+        """Every row's draft from one head forward over all rows."""
+        _, logits = self.block_states(target, rows)
+        greedy = mx.argmax(logits, axis=-1).tolist()
+        out = []
+        for b, r in enumerate(rows):
+            n = min(r.max_len, self.max_draft)
+            if r.sampling.greedy:
+                out.append((greedy[b][:n], None))
+            else:
+                q = target_probs(logits[b, :n], r.sampling)
+                out.append(([int(r.rng.choice(q.shape[1], p=p)) for p in q], q))
+        return out
 
 
 def _dynamic_convolve(hidden: mx.array, dynamic: mx.array, base: mx.array, group_size: int) -> mx.array:
@@ -98,11 +104,12 @@ class DFlash2Layer(DecoderLayer):
         self.attention_conv = DynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = DynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, x, ctx, rope, offset):
+    def __call__(self, x, ctx, rope, offsets, queries=None):
         h, k = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope, offset), k)
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope, offsets), k)
         h, k = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(h), k)
+        x = x + self.mlp_conv.finish(self.mlp(h), k)
+        return x if queries is None else x[:, :queries]  # the convolutions need every position
 
 
 class CandidateSelector(nn.Module):
@@ -122,27 +129,37 @@ class DFlash2Head(DFlashHead):
         super().__init__(cfg, target_hidden)
         self.candidate_selector = CandidateSelector(cfg)
 
-    def draft(self, target, anchor: int, ctx, position: int, max_len: int,
-              sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
-        h, logits = self.block_states(target, anchor, ctx, position, max_len)
+    def draft_rows(self, target, rows: list[DraftRow]) -> list[tuple[list[int], np.ndarray | None]]:
+        """One head forward for all rows; the selector's walk over all rows at once. Greedy,
+        each choice stays on the device (one graph, one sync); sampled, one sync per step."""
+        h, logits = self.block_states(target, rows)
         sel = self.candidate_selector
         k = min(sel.top_k, logits.shape[-1])
-        cands = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        cands = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # (rows, n, k)
         unary = mx.take_along_axis(logits, cands, axis=-1)
         proj = sel.hidden_projection(h)
-        mx.eval(cands, unary, proj)
-        prev, tokens, qs = anchor, [], []
-        for i in range(h.shape[0]):
-            edges = (sel.predecessor_codebook.weight[prev] * proj[i] * sel.successor_codebook(cands[i])).sum(-1)
-            scores = unary[i] + edges
-            if sampling.greedy:
-                j = int(mx.argmax(scores).item())
-            else:
-                p = target_probs(scores[None], sampling)[0]
-                j = int(rng.choice(k, p=p))
-                q = np.zeros(logits.shape[-1])
-                q[np.array(cands[i])] = p
-                qs.append(q)
-            prev = int(cands[i, j].item())
-            tokens.append(prev)
-        return tokens, (np.stack(qs) if qs else None)
+        sampled = not all(r.sampling.greedy for r in rows)
+        if sampled:
+            mx.eval(cands, unary, proj)
+        caps = [min(r.max_len, self.max_draft) for r in rows]
+        prev = mx.array([r.anchor for r in rows], dtype=mx.uint32)
+        chosen, qs = [], [[] for _ in rows]
+        for i in range(h.shape[1]):
+            edges = (sel.predecessor_codebook.weight[prev][:, None] * proj[:, i, None]
+                     * sel.successor_codebook(cands[:, i])).sum(-1)
+            scores = unary[:, i] + edges  # (rows, k)
+            j = mx.argmax(scores, axis=-1)
+            if sampled:
+                j = np.array(j)
+                for b, r in enumerate(rows):
+                    if not r.sampling.greedy and i < caps[b]:
+                        p = target_probs(scores[b : b + 1], r.sampling)[0]
+                        j[b] = r.rng.choice(k, p=p)
+                        q = np.zeros(logits.shape[-1])
+                        q[np.array(cands[b, i])] = p
+                        qs[b].append(q)
+                j = mx.array(j)
+            prev = mx.take_along_axis(cands[:, i], j[:, None].astype(mx.uint32), axis=-1)[:, 0]
+            chosen.append(prev)
+        chosen = mx.stack(chosen, axis=1).tolist()
+        return [(t[:c], np.stack(q) if q else None) for t, c, q in zip(chosen, caps, qs)]

@@ -6,9 +6,18 @@ then sees a recent window) and, each round, the states of the tokens that entere
 cache through `commit`. They are turned into the head's per-layer keys and values
 lazily, at the next head draft. A long lookup match replaces the head's draft for that
 round, so copy-heavy turns keep lookup's speed.
+
+Drafting is batched across sequences: `plan` returns the head's part of a round as a
+`HeadCall`, and `draft_together` runs the calls of one head as one draft (the rows' new
+context features in one projection, one head forward, one walk over all rows; each row
+attends over its own context, so rows of different lengths need no padding). A single
+sequence's `propose` is the same path with one row.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -16,11 +25,69 @@ import numpy as np
 from ..drafter import Draft, Drafter
 from ..lookup import LookupDrafter
 from ..sampling import SamplingParams
-from .backbone import ContextCache
+from .backbone import ContextCache, DraftRow
 
 DEFAULT_CONTEXT_LIMIT = 4096  # most recent context positions the head attends to
 LOOKUP_OVERRIDE = 8  # a verbatim lookup match this long replaces the head's draft for the round
 LOOKUP_QUERY = 64  # the longest draft lookup may make for the override
+
+
+@dataclass
+class HeadCall:
+    """One sequence's head draft, planned; `draft_together` fills `result` (or `error`)."""
+
+    drafter: "HeadDrafter"
+    row: DraftRow  # its `ctx` is set by draft_together, once the pending context is in
+    result: tuple[list[int], np.ndarray | None] | None = None
+    error: Exception | None = None
+
+
+def draft_together(target, calls: list[HeadCall]) -> int:
+    """Run the calls: those of one head as one batched draft (their new context features in
+    one projection, one head forward, one walk for all rows). Should a batched draft fail,
+    each row drafts alone, so one row's fault stays its own. Returns how many calls were
+    drafted in a batch."""
+    groups: dict[int, list[HeadCall]] = {}
+    for c in calls:
+        groups.setdefault(id(c.drafter.head), []).append(c)
+    batched = 0
+    for group in groups.values():
+        try:
+            _draft(target, group)
+            batched += len(group) if len(group) > 1 else 0
+            continue
+        except Exception as e:
+            if len(group) == 1:
+                group[0].error = e
+                continue
+            logging.getLogger(__name__).warning("batched head draft failed, drafting rows alone: %s: %s",
+                                                type(e).__name__, e)
+        for c in group:
+            try:
+                _draft(target, [c])
+            except Exception as e:
+                c.error = e
+    return batched
+
+
+def _draft(target, calls: list[HeadCall]) -> None:
+    flush_together([c.drafter for c in calls])
+    for c in calls:
+        c.row.ctx = c.drafter.ctx.kv
+    for c, result in zip(calls, calls[0].drafter.head.draft_rows(target, [c.row for c in calls])):
+        c.result = result
+
+
+def flush_together(drafters: list["HeadDrafter"]) -> None:
+    """Every drafter's pending context features (all one head's) into its context keys and
+    values, in one projection; a drafter's pending features stay where the projection fails."""
+    chunks = [(d, chunk) for d in drafters for chunk in d.pending_chunks()]
+    if chunks:
+        kvs = drafters[0].head.context_kvs([chunk for _, chunk in chunks])
+        for (d, _), kv in zip(chunks, kvs):
+            d.ctx.add(kv)
+    for d in drafters:
+        d.pending = []
 
 
 class HeadDrafter(Drafter):
@@ -76,6 +143,15 @@ class HeadDrafter(Drafter):
             self.lookup.commit(tokens, drafted if mine else 0, accepted if mine else 0)
 
     def propose(self, max_len: int) -> Draft:
+        draft = self.plan(max_len)
+        if isinstance(draft, HeadCall):
+            draft_together(self.target, [draft])  # alone: a batch of one row
+            draft = self.take(draft)
+        return draft
+
+    def plan(self, max_len: int) -> "Draft | HeadCall":
+        """This round's draft where it needs no head (a lookup override, nothing), else the
+        head's part of it as a `HeadCall`, for `draft_together` to run with other sequences'."""
         self.source = None
         if not self.tokens:
             return Draft([])
@@ -90,10 +166,14 @@ class HeadDrafter(Drafter):
                 return Draft(found.tokens, verbatim=True, source="lookup")
         if max_len <= 0:
             return Draft([])
-        self._flush()
         position = len(self.tokens) - 1  # the anchor's: every earlier token is in the target's cache
-        tokens, q = self.head.draft(self.target, self.tokens[-1], self.ctx.kv, position, max_len,
-                                    self.sampling, self.rng)
+        return HeadCall(self, DraftRow(self.tokens[-1], None, position, max_len, self.sampling, self.rng))
+
+    def take(self, call: "HeadCall") -> Draft:
+        """The draft of a planned call, once `draft_together` has run it."""
+        if call.error is not None:
+            raise call.error
+        tokens, q = call.result
         self.source = "head"
         return Draft(tokens, q)
 
@@ -106,13 +186,16 @@ class HeadDrafter(Drafter):
                 start += int(c.shape[0])
             self.prefill_chunks = []
 
-    def _flush(self) -> None:
+    def pending_chunks(self) -> list[tuple[mx.array, int]]:
+        """The context features not yet in the head's context, (features, position), oldest first."""
         self._place_prefill()
-        if not self.pending:
-            return
         oldest = len(self.tokens) - 1 - (self.context_limit or 1 << 62)
+        chunks = []
         for feats, pos in self.pending:
             skip = max(0, oldest - pos)  # rows older than the window would be dropped anyway
             if skip < feats.shape[0]:
-                self.ctx.add(self.head.context_kv(feats[skip:], pos + skip))
-        self.pending = []
+                chunks.append((feats[skip:], pos + skip))
+        return chunks
+
+    def _flush(self) -> None:
+        flush_together([self])

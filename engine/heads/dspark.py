@@ -24,8 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..sampling import SamplingParams, target_probs
-from .backbone import Backbone, HeadConfig
+from ..sampling import target_probs
+from .backbone import Backbone, DraftRow, HeadConfig
 
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Gemma4DSparkModel")
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
@@ -81,16 +81,17 @@ class DSparkHead(Backbone):
         full[:, ids] = logits
         return full
 
-    def _step(self, h_i: mx.array, prev: int, state: mx.array | None):
-        """Markov bias for one step (and the confidence logit), given the previous token."""
+    def _step(self, h_i: mx.array, prev: mx.array, state: mx.array | None):
+        """Markov bias for one step of every row (and the confidence), given each row's previous
+        token: h_i (rows, hidden), prev (rows,) -> bias (rows, vocab), confidence (rows,) or None."""
         m = self.markov_head
         e = m.markov_w1.weight[prev]
         kind = self.cfg.markov_head_type
         if kind == "gated":
-            e_eff = mx.sigmoid(m.gate_proj(mx.concatenate([h_i, e]))) * e
+            e_eff = mx.sigmoid(m.gate_proj(mx.concatenate([h_i, e], axis=-1))) * e
             bias = m.markov_w2(e_eff)
         elif kind == "rnn":
-            g, c, o = mx.split(m.joint_proj(mx.concatenate([state, e, h_i])), 3)
+            g, c, o = mx.split(m.joint_proj(mx.concatenate([state, e, h_i], axis=-1)), 3, axis=-1)
             g = mx.sigmoid(g)
             state = g * state + (1.0 - g) * mx.tanh(c)
             bias = m.markov_w2(mx.tanh(o))
@@ -98,36 +99,51 @@ class DSparkHead(Backbone):
             bias = m.markov_w2(e)
         conf = None
         if "confidence_head" in self:
-            feat = mx.concatenate([h_i, e]) if self.cfg.confidence_head_with_markov else h_i
-            conf = mx.sigmoid(self.confidence_head.proj(feat))[0]
+            feat = mx.concatenate([h_i, e], axis=-1) if self.cfg.confidence_head_with_markov else h_i
+            conf = mx.sigmoid(self.confidence_head.proj(feat))[:, 0]
         return bias, conf, state
 
-    def draft(self, target, anchor: int, ctx, position: int, max_len: int,
-              sampling: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
-        n = min(max_len, self.max_draft)
-        block = mx.array([anchor] + [self.cfg.mask_token_id] * (self.cfg.block_size - 1), dtype=mx.uint32)
+    def draft_rows(self, target, rows: list[DraftRow]) -> list[tuple[list[int], np.ndarray | None]]:
+        """Every row's draft: one head forward for all rows, then the Markov walk over all rows
+        at once, a step per draft position. Each row's tokens are the ones it drafts alone."""
+        n = max(min(r.max_len, self.max_draft) for r in rows)
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
-        h = self(embed(block)[None], ctx, position)[0, :n]
-        base = self.base_logits(target, h)
-        mx.eval(h, base)
+        h = self(embed(self.block(rows)), [r.ctx for r in rows], [r.position for r in rows], keep=n)
+        base = self.base_logits(target, h.reshape(-1, h.shape[-1])).reshape(len(rows), n, -1)
         thr = self.cfg.confidence_threshold
-        state = mx.zeros((self.cfg.markov_rank,), dtype=h.dtype) if self.cfg.markov_head_type == "rnn" else None
-        prev, tokens, qs, alive = anchor, [], [], 1.0
-        # The walk is sequential (each step's bias depends on the token just chosen): one
-        # small graph and one sync per step.
+        caps = [min(r.max_len, self.max_draft) for r in rows]
+        sampled = not all(r.sampling.greedy for r in rows)
+        state = mx.zeros((len(rows), self.cfg.markov_rank), dtype=h.dtype) if self.cfg.markov_head_type == "rnn" else None
+        prev = [r.anchor for r in rows]
+        tokens, qs, alive = [[] for _ in rows], [[] for _ in rows], [1.0] * len(rows)
+        live = [c > 0 for c in caps]
+        # Each step's bias depends on the token just chosen, and the confidence ends most drafts
+        # after a token or two: a step per position for all rows, one (cheap) sync each, up to
+        # the last position a row reaches (a row stops drawing where it stops alone). The base
+        # logits came in one projection above: the vocabulary weights are read once.
         for i in range(n):
-            bias, conf, state = self._step(h[i], prev, state)
-            logits = base[i] + bias
-            if conf is not None:
-                alive *= conf.item()
-                if alive < thr:
-                    break
-            if sampling.greedy:
-                tok = int(mx.argmax(logits).item())
-            else:
-                q = target_probs(logits[None], sampling)[0]
-                tok = int(rng.choice(q.shape[0], p=q))
-                qs.append(q)
-            tokens.append(tok)
-            prev = tok
-        return tokens, (np.stack(qs) if qs else None)
+            if not any(live):
+                break
+            bias, conf, state = self._step(h[:, i], mx.array(prev, dtype=mx.uint32), state)
+            logits = base[:, i] + bias
+            best = mx.argmax(logits, axis=-1)
+            mx.eval([best] + ([] if conf is None else [conf]) + ([logits] if sampled else []))
+            best, conf = best.tolist(), (None if conf is None else conf.tolist())
+            for b, r in enumerate(rows):
+                if not live[b]:
+                    continue
+                if conf is not None:
+                    alive[b] *= conf[b]
+                    if alive[b] < thr:
+                        live[b] = False
+                        continue
+                if r.sampling.greedy:
+                    tok = best[b]
+                else:
+                    q = target_probs(logits[b : b + 1], r.sampling)[0]
+                    tok = int(r.rng.choice(q.shape[0], p=q))
+                    qs[b].append(q)
+                tokens[b].append(tok)
+                prev[b] = tok
+                live[b] = len(tokens[b]) < caps[b]
+        return [(t, np.stack(q) if q else None) for t, q in zip(tokens, qs)]
