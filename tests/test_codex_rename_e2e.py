@@ -1,5 +1,5 @@
 """Issue 16 item 5, through Codex: the real Codex CLI (`codex exec`, Responses API) renames a
-held-out file through our server, offline.
+held-out file through our server, offline (scripts/codex_session.py runs the session).
 
 What Codex 0.171 sends (recorded with scripts/recording_proxy.py): for a model it has no metadata
 for (`model = "local"`) its tools are `exec_command` (a shell in a PTY), `write_stdin`,
@@ -14,18 +14,15 @@ function of one string, `input`, and answers its calls as `custom_tool_call` ite
 - `test_scripted_model_renames_through_codex`: a scripted model (tests/scripted_model.py) reads the
   file with `exec_command` (`cat`), patches it with `apply_patch` (an update hunk per renamed
   region, with context, as a Codex model writes one), then answers in one line.
+- `test_evaluation_script_through_codex`: scripts/agent_rename_eval.py --client codex (scripted model).
 - `test_custom_tool_round_trip`: the custom tool through the real `openai` SDK, whole and streamed.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,90 +31,91 @@ from server_harness import RunningServer, build_agent_sized_model
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import agent_rename_eval as evaluation  # noqa: E402
+from codex_session import CODEX, apply_patch_for, run_codex_session  # noqa: E402
 
-CODEX = ROOT / ".node" / "node_modules" / ".bin" / "codex"
 # The held-out file of tests/test_claude_rename_e2e.py (one the bundled model renames through Claude Code).
 CASE_FILE = "generate_utils.py"
-# A model in Codex's catalogue whose tools include the freeform apply_patch (see above).
-CODEX_MODEL = "gpt-5.5"
 
 
-def apply_patch_for(name: str, old: str, new: str, context: int = 3) -> str:
-    """The apply_patch input that turns `old` into `new`: one `@@` hunk per changed region."""
-    a, b = old.splitlines(), new.splitlines()
-    lines = ["*** Begin Patch", f"*** Update File: {name}"]
-    for group in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(context):
-        lines.append("@@")
-        for tag, i1, i2, j1, j2 in group:
-            if tag == "equal":
-                lines += [" " + x for x in a[i1:i2]]
-            else:
-                lines += ["-" + x for x in a[i1:i2]] + ["+" + x for x in b[j1:j2]]
-    return "\n".join(lines + ["*** End Patch"]) + "\n"
+def real_codex(test):
+    """A slow test that runs the real Codex CLI."""
+    for mark in (pytest.mark.slow,
+                 pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed (setup.sh needs npm)"),
+                 pytest.mark.skipif(not CODEX.exists(), reason="the Codex CLI is absent: run setup.sh")):
+        test = mark(test)
+    return test
 
 
-def codex_exec(prompt: str, url: str, workdir: Path, timeout: float = 480) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """`codex exec --json PROMPT` in `workdir`/project with its own HOME and CODEX_HOME, against `url`."""
-    home = workdir / "home"
-    (home / ".codex").mkdir(parents=True, exist_ok=True)
-    (home / ".codex" / "config.toml").write_text(
-        f'model = "{CODEX_MODEL}"\nmodel_provider = "mlx"\n\n[model_providers.mlx]\nname = "mlx-dspark"\n'
-        f'base_url = "{url}/v1"\nwire_api = "responses"\n')
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith(("OPENAI_", "CODEX_"))}
-    env.update(HOME=str(home), CODEX_HOME=str(home / ".codex"))
-    p = subprocess.run([str(CODEX), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", "--json", prompt],
-                       cwd=workdir / "project", env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                       timeout=timeout)
-    return p, [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+@pytest.fixture(scope="module")
+def case() -> evaluation.Case:
+    return next(c for c in evaluation.held_out_cases() if c.rel == CASE_FILE)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed (setup.sh needs npm)")
-@pytest.mark.skipif(not CODEX.exists(), reason="the Codex CLI is absent: run setup.sh")
-def test_scripted_model_renames_through_codex(cache_home, tmp_path):
+@pytest.fixture(scope="module")
+def agent_sized_model(tmp_path_factory) -> Path:
+    return build_agent_sized_model(tmp_path_factory.mktemp("agent-sized-codex"))
+
+
+@real_codex
+def test_scripted_model_renames_through_codex(case, cache_home, tmp_path, agent_sized_model):
     from recording_proxy import RecordingProxy
     from scripted_model import script_engine
     from test_claude_rename_e2e import serve_engine
 
-    case = next(c for c in evaluation.held_out_cases() if c.rel == CASE_FILE)
-    project = tmp_path / "session" / "project"
-    project.mkdir(parents=True)
-    (project / case.name).write_text(case.text)
+    from agent_bridge.server import create_app
+
     read = {"name": "exec_command", "arguments": {"cmd": f"cat {case.name}"}}
     patch = {"name": "apply_patch", "arguments": {"input": apply_patch_for(case.name, case.text, case.expected)}}
     answer = f"Renamed {case.old} to {case.new} in {case.name}."
-    model = build_agent_sized_model(tmp_path / "model")
     capture = tmp_path / "capture.jsonl"
-    with serve_engine(str(model)) as engine:
+    with serve_engine(str(agent_sized_model)) as engine:
         script_engine(engine).set(*(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in (read, patch)), answer)
-        from agent_bridge.server import create_app
-
         with RunningServer(create_app(engine)) as srv, RecordingProxy(srv.url, capture) as proxy:
-            t0 = time.perf_counter()
-            p, events = codex_exec(case.prompt, proxy.url, tmp_path / "session")
-            wall = time.perf_counter() - t0
-            requests = evaluation.finished_jobs(srv.url, settle_s=60)
-    report = f"rc {p.returncode} ({wall:.1f} s)\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}\n" + json.dumps(requests)[:3000]
-    assert p.returncode == 0, report
-    assert (project / case.name).read_text() == case.expected, report  # exactly the rename, on disk
-    done = [e["item"] for e in events if e.get("type") == "item.completed"]
-    assert [i["type"] for i in done] == ["command_execution", "file_change", "agent_message"], report
-    assert done[0]["exit_code"] == 0 and done[0]["aggregated_output"] == case.text  # the shell read the file
-    assert done[1]["status"] == "completed" and done[1]["changes"][0]["kind"] == "update"
-    assert done[2]["text"] == answer
-    # the server's telemetry: three requests; the second (the patch) read the first one's prompt from the cache
-    assert len(requests) == 3 and [r["finish"] for r in requests] == ["stop"] * 3, report
-    first, second = requests[0], requests[1]
+            session = run_codex_session(case, srv.url, tmp_path / "session", timeout=480, cli_url=proxy.url)
+    report = json.dumps(session.__dict__, indent=1, default=str)[:4000]
+    assert session.is_error is False and session.passed, report  # exit 0; on disk: exactly the rename
+    assert session.tool_calls == ["shell", "apply_patch"] and session.result == answer, report
+    # the server's telemetry: three turns, each ended by the model; the second (the patch) read
+    # the first one's whole prompt from the prefix cache, and lookup drafted the patch's lines
+    assert [r["finish"] for r in session.requests] == ["stop"] * 3, report
+    first, second = session.requests[0], session.requests[1]
     assert second["cached_tokens"] >= first["prompt_tokens"], report
-    assert second["drafted_by_source"].get("lookup", 0) > 0, report  # the patch's lines are the file's: lookup drafts them
-    # what Codex sent: apply_patch as a custom tool; then its call and output came back as custom items
-    sent = [json.loads(line)["body"] for line in capture.read_text().splitlines()]
-    assert len(sent) == 3
-    assert {(t["type"], t.get("name")) for t in sent[0]["tools"]} >= {("function", "exec_command"), ("custom", "apply_patch")}
-    kinds = [i.get("type") for i in sent[2]["input"]]
+    assert second["drafted_by_source"].get("lookup", 0) > 0, report
+    assert second["accepted_by_source"].get("lookup", 0) > 0, report
+    # what Codex sent: apply_patch as a custom tool; its call and output came back as custom items
+    sent = [json.loads(line) for line in capture.read_text().splitlines()]
+    assert [r["path"] for r in sent] == ["/v1/responses"] * 3
+    tools = {(t["type"], t.get("name")) for t in sent[0]["body"]["tools"]}
+    assert {("function", "exec_command"), ("custom", "apply_patch")} <= tools, tools
+    history = sent[2]["body"]["input"]
+    kinds = [i.get("type") for i in history]
     assert kinds[-4:] == ["function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output"], kinds
-    (call,) = [i for i in sent[2]["input"] if i.get("type") == "custom_tool_call"]
+    (call,) = [i for i in history if i.get("type") == "custom_tool_call"]
     assert call["name"] == "apply_patch" and call["input"] == patch["arguments"]["input"]
+    (read_output,) = [i for i in history if i.get("type") == "function_call_output"]
+    assert case.text.splitlines()[0] in read_output["output"]  # the shell's cat, sent back to the model
+
+
+@real_codex
+def test_evaluation_script_through_codex(case, cache_home, tmp_path, agent_sized_model, capsys):
+    """scripts/agent_rename_eval.py --client codex against a running server (a scripted model that
+    answers without a tool call): its verdict, table and JSON."""
+    from scripted_model import script_engine
+    from test_claude_rename_e2e import serve_engine
+
+    from agent_bridge.server import create_app
+
+    with serve_engine(str(agent_sized_model)) as engine:
+        script_engine(engine).set("I cannot do that.")
+        with RunningServer(create_app(engine)) as srv:
+            rc = evaluation.main(["--client", "codex", "--url", srv.url, "--only", case.rel,
+                                  "--json", str(tmp_path / "out.json")])
+    assert rc == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    (session,) = out["sessions"]
+    assert (out["client"], out["passed"], session["why"]) == ("codex", 0, "no tool call (answered: 'I cannot do that.')")
+    assert session["is_error"] is False and [r["finish"] for r in session["requests"]] == ["stop"]
+    assert f"| {case.rel} | {case.old} -> {case.new} | no | no tool call (answered: " in capsys.readouterr().out
 
 
 # -- the custom tool through the real openai SDK (fast) --
