@@ -6,6 +6,7 @@ Stateless: the client sends the whole conversation as `input` items (Codex does,
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -77,13 +78,34 @@ def convert_tools(tools: Any) -> list[dict] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise bad_request(f"tools[{i}]: expected an object", param="tools")
-        if t.get("type") != "function":
+        if t.get("type") not in ("function", "custom"):
             continue  # built-in tools (web search, ...) this server can't run
         if not isinstance(t.get("name"), str):
             raise bad_request(f"tools[{i}].name: expected a string", param="tools")
+        if t["type"] == "custom":
+            out.append(custom_as_function(t))
+            continue
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                      "parameters": t.get("parameters") or {"type": "object"}}})
     return out or None
+
+
+def custom_as_function(tool: dict) -> dict:
+    """A custom (freeform) tool, such as Codex's `apply_patch`, shown to the model as a function
+    of one string, `input`; its calls go back to the client as `custom_tool_call` items whose
+    `input` is that string (and come back in history as the same arguments, see convert_input)."""
+    description = tool.get("description") or ""
+    fmt = tool.get("format")
+    if isinstance(fmt, dict) and isinstance(fmt.get("definition"), str):
+        description += f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+    return {"type": "function", "function": {"name": tool["name"], "description": description, "parameters": {
+        "type": "object", "properties": {"input": {"type": "string", "description": "The tool's raw input."}},
+        "required": ["input"]}}}
+
+
+def custom_tool_names(body: dict) -> set[str]:
+    tools = body.get("tools")
+    return {t["name"] for t in tools or () if isinstance(t, dict) and t.get("type") == "custom"}
 
 
 def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
@@ -112,8 +134,13 @@ def _id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def _item(kind: str, text: str = "", call: ToolCall | None = None) -> dict:
-    """An output item: kind "call", "reasoning" or "text"."""
+def _item(kind: str, text: str = "", call: ToolCall | None = None, custom: set[str] = frozenset()) -> dict:
+    """An output item: kind "call", "reasoning" or "text"; a call of a tool named in `custom`
+    is a custom_tool_call carrying its `input` string."""
+    if kind == "call" and call.name in custom:
+        value = call.arguments.get("input", "")
+        return {"id": _id("ctc_"), "type": "custom_tool_call", "status": "completed", "call_id": call.id,
+                "name": call.name, "input": value if isinstance(value, str) else json.dumps(value)}
     if kind == "call":
         return {"id": _id("fc_"), "type": "function_call", "status": "completed", "call_id": call.id,
                 "name": call.name, "arguments": call.arguments_json}
@@ -144,6 +171,7 @@ async def responses(request: Request):
     ids = await bridge.prompt_ids(req)
     gen = await bridge.generate(req, ids, request)
     parser = bridge.parser(req, gen)
+    custom = custom_tool_names(body)
     response = {
         "id": _id("resp_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "model": req.model or bridge.model_name, "output": [], "error": None, "incomplete_details": None,
@@ -153,10 +181,10 @@ async def responses(request: Request):
         "store": False, "text": {"format": {"type": "text"}}, "usage": None, "metadata": {},
     }
     if req.stream:
-        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids), parser, req)), gen)
+        return EventStream(drive(gen, parser, ResponsesWire(response, len(ids), parser, req, custom)), gen)
     text = await collect_text(gen)
     reply = whole_reply(parser, text, gen.done)
-    response["output"] = [_item(b.kind, b.text, b.call) for b in reply.blocks]
+    response["output"] = [_item(b.kind, b.text, b.call, custom) for b in reply.blocks]
     return JSONResponse(finish_response(response, gen.done, len(ids), req, parser.notes))
 
 
@@ -164,9 +192,9 @@ class ResponsesWire(Wire):
     """Responses API events. Output items are built whole when they close: the open item is only
     its kind, id, index and text so far (nothing sent is changed afterwards)."""
 
-    def __init__(self, response: dict, n_prompt: int, parser: Any, req: ChatRequest):
+    def __init__(self, response: dict, n_prompt: int, parser: Any, req: ChatRequest, custom: set[str] = frozenset()):
         self.response, self.n_prompt = response, n_prompt
-        self.parser, self.req = parser, req
+        self.parser, self.req, self.custom = parser, req, custom
         self.seq = 0
         self.open: dict | None = None  # {"kind": "text"|"reasoning"|"call", "id", "index", "text", "call"}
 
@@ -185,12 +213,16 @@ class ResponsesWire(Wire):
         if self.open is None:
             return []
         o, self.open = self.open, None
-        item = _item(o["kind"], o["text"], o["call"])
+        item = _item(o["kind"], o["text"], o["call"], self.custom)
         item["id"], item["status"] = o["id"], "completed"
         self.response["output"].append(item)
         idx = o["index"]
         if o["kind"] == "reasoning":
             return [self._ev("response.output_item.done", output_index=idx, item=item)]
+        if item["type"] == "custom_tool_call":
+            return [self._ev("response.custom_tool_call_input.done", item_id=o["id"], output_index=idx,
+                             input=item["input"]),
+                    self._ev("response.output_item.done", output_index=idx, item=item)]
         if o["kind"] == "call":
             return [self._ev("response.function_call_arguments.done", item_id=o["id"], output_index=idx,
                              arguments=item["arguments"]),
@@ -204,7 +236,9 @@ class ResponsesWire(Wire):
     def _open(self, kind: str, call: ToolCall | None = None) -> list[str]:
         out = self._close()
         idx = len(self.response["output"])
-        shown = {**_item(kind, "", call), "status": "in_progress"}
+        shown = {**_item(kind, "", call, self.custom), "status": "in_progress"}
+        if shown["type"] == "custom_tool_call":
+            shown["input"] = ""  # sent whole when the call closes: its JSON-quoted pieces aren't the input's
         if kind == "text":
             shown["content"] = []
         self.open = {"kind": kind, "id": shown["id"], "index": idx, "text": "", "call": call}
@@ -220,6 +254,8 @@ class ResponsesWire(Wire):
             return self._open("call", event.call)
         if isinstance(event, CallArgs):
             o = self.open
+            if o["call"].name in self.custom:
+                return []
             return [self._ev("response.function_call_arguments.delta", item_id=o["id"], output_index=o["index"],
                              delta=event.text)]
         if isinstance(event, CallEnd):

@@ -1,7 +1,8 @@
-"""End-to-end rename through the real Claude Code CLI against `mlx-dspark serve` (issue 16).
+"""End-to-end rename through the real Claude Code CLI against `mlx-dspark serve` (issue 16);
+`--client codex`: through the real Codex CLI instead (scripts/codex_session.py).
 
     .venv/bin/python scripts/agent_rename_eval.py [--model DIR] [--files 10] [--seed 0]
-        [--timeout 600] [--url http://127.0.0.1:PORT] [--cache-dir DIR] [--json OUT.json]
+        [--timeout 600] [--url http://127.0.0.1:PORT] [--cache-dir DIR] [--json OUT.json] [--client codex]
 
 Held-out files: small modules (30-150 lines) of the installed `mlx_lm` package, which is never in
 the training corpus (the GPU machine that builds it has no MLX), `--files` of them picked from the
@@ -317,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="use this running server instead of starting one")
     ap.add_argument("--cache-dir", help="MLX_DSPARK_CACHE_DIR for the server (default: a fresh one)")
     ap.add_argument("--claude", default=str(CLAUDE), help="the Claude Code CLI (default: .node's)")
+    ap.add_argument("--client", choices=("claude", "codex"), default="claude",
+                    help="the agent: Claude Code (default) or Codex (`codex exec`, scripts/codex_session.py)")
+    ap.add_argument("--codex", help="the Codex CLI (default: .node's)")
     ap.add_argument("--capture", metavar="DIR",
                     help="record what the CLI sends, one FILE.jsonl per session (keep it out of the repository)")
     ap.add_argument("--list", action="store_true", help="print the held-out cases and stop")
@@ -335,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.rel in keep]
     if args.list:
         return 0
-    if not Path(args.claude).exists():
-        print(f"no Claude Code CLI at {args.claude}: run scripts/setup.sh", file=sys.stderr)
+    import codex_session
+
+    cli = Path(args.codex or codex_session.CODEX) if args.client == "codex" else Path(args.claude)
+    if not cli.exists():
+        print(f"no {args.client} CLI at {cli}: run scripts/setup.sh", file=sys.stderr)
         return 2
 
     work = Path(tempfile.mkdtemp(prefix="agent-rename-"))
@@ -359,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             if proxy is not None:
                 proxy.recorder.out = Path(args.capture) / f"{Path(c.rel).stem}.jsonl"
                 proxy.recorder.out.unlink(missing_ok=True)
-            s = run_session(c, url, work / "session", args.timeout, Path(args.claude), args.max_output_tokens,
-                            cli_url=proxy.url if proxy else None, max_turns=args.max_turns)
+            if args.client == "codex":
+                s = codex_session.run_codex_session(c, url, work / "session", args.timeout, cli,
+                                                    cli_url=proxy.url if proxy else None)
+            else:
+                s = run_session(c, url, work / "session", args.timeout, cli, args.max_output_tokens,
+                                cli_url=proxy.url if proxy else None, max_turns=args.max_turns)
             sessions.append(s)
             print(f"{c.rel}: {'PASS' if s.passed else 'FAIL'} {s.why} ({s.wall_s:.1f} s, "
                   f"{len(s.requests)} requests, tools: {' '.join(s.tool_calls) or '-'})", flush=True)
@@ -368,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(sessions))
         if args.json:
             Path(args.json).write_text(json.dumps({
-                "model": args.model or "bundled", "seed": args.seed, "mlx_lm": mlx_lm.__version__,
+                "model": args.model or "bundled", "client": args.client, "seed": args.seed, "mlx_lm": mlx_lm.__version__,
                 "load_average_end": load_avg(), "passed": sum(s.passed for s in sessions),
                 "sessions": [asdict(s) for s in sessions]}, indent=1))
         return 0
