@@ -151,7 +151,9 @@ class LookupDrafter(Drafter):
         if len(doc) > 1:
             self.corpus.append(TokenIndex(doc))
 
-    def propose(self, max_len: int) -> Draft:
+    def propose(self, max_len: int, gated: bool = True) -> Draft:
+        """The continuation of the best match, as long as the match allows (`draft_length_for_match`),
+        `max_len` and, when `gated`, the gate."""
         if max_len <= 0 or len(self.context) < 2:
             return Draft([])
         suffix = self.context.tokens[-MAX_MATCH:]
@@ -162,7 +164,7 @@ class LookupDrafter(Drafter):
             if found[:2] > best[:2]:
                 best, source = found, index
         usable, _, end = best
-        n = min(usable, max_len, self.limit)
+        n = min(usable, max_len, self.limit if gated else max_len)
         if n <= 0 or source is None:
             return Draft([])
         return Draft(source.tokens[end + 1 : end + 1 + n])

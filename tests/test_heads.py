@@ -215,6 +215,11 @@ def test_long_lookup_match_replaces_the_heads_draft(tiny_target, tiny_heads):
     draft = drafter.propose(32)
     assert drafter.source == "lookup" and draft.q is None
     assert draft.tokens[:8] == prompt[len(cut) : len(cut) + 8]
+    for _ in range(4):  # rejected lookup drafts shut its gate below the override's length...
+        drafter.lookup.commit([], 64, 0)
+    assert drafter.lookup.limit < 16
+    again = drafter.propose(32)  # ...and the match still overrides, at the override's length
+    assert drafter.source == "lookup" and again.tokens == draft.tokens[:16]
     fresh = HeadDrafter(head, tiny_target, [])
     fresh.start(tiny_target.encode("zq"))
     assert len(fresh.propose(32).tokens) == head.max_draft and fresh.source == "head"

@@ -159,11 +159,14 @@ class HeadDrafter(Drafter):
             # Lookup drafts 2 x LOOKUP_OVERRIDE tokens or more only for a verbatim match of
             # LOOKUP_OVERRIDE+ tokens. Such a draft is verbatim: the loop lets it run past an
             # adaptive cap tuned to the head's acceptance (up to the hard cap), and even when
-            # that cap has turned head drafting off.
-            found = self.lookup.propose(LOOKUP_QUERY)
+            # that cap has turned head drafting off. The match decides, not lookup's gate: a
+            # gate shut below that length by rejected drafts would never open again (it learns
+            # only from rounds lookup drafts); the gate only shortens the draft, to no less.
+            found = self.lookup.propose(LOOKUP_QUERY, gated=False)
             if len(found.tokens) >= 2 * LOOKUP_OVERRIDE:
                 self.source = "lookup"
-                return Draft(found.tokens, verbatim=True, source="lookup")
+                n = max(2 * LOOKUP_OVERRIDE, self.lookup.limit)
+                return Draft(found.tokens[:n], verbatim=True, source="lookup")
         if max_len <= 0:
             return Draft([])
         position = len(self.tokens) - 1  # the anchor's: every earlier token is in the target's cache
