@@ -118,6 +118,17 @@ def make_case(rel: str, text: str, seed: int = 0) -> Case | None:
     return None if made is None else Case(rel, text, made[0], made[1])
 
 
+# The held-out file the end-to-end tests run: one the bundled model renames correctly through
+# Claude Code from a cold cache, as a test starts (3 of 10 pass here: this one, models/qwen3_vl.py
+# and models/smollm3.py; the last only with the warm cache earlier sessions leave: cold, a near-tie
+# turns `mx.array` into `mx. number_array`).
+E2E_FILE = "generate_utils.py"
+
+
+def e2e_case() -> Case:
+    return case_for(E2E_FILE)
+
+
 def case_for(rel: str, seed: int = 0) -> Case:
     """The case of mlx_lm's file `rel`, as `held_out_cases` makes it."""
     import mlx_lm
@@ -231,13 +242,8 @@ def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claud
                 max_turns: int | None = None) -> Session:
     """One `claude -p` rename in a fresh project (`workdir`/project) and HOME; judged, with the
     server's per-request statistics. The CLI talks to `cli_url` (a recording proxy) if given."""
-    project, home = workdir / "project", workdir / "home"
-    for d in (project, home):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-    target = project / case.name
-    target.write_text(case.text)
-    seen = max((j["id"] for j in finished_jobs(url)), default=0)
+    project, home, target = fresh_project(case, workdir)
+    seen = last_job(url)
     s = Session(case.rel, case.old, case.new)
     cmd = [str(claude), "-p", case.prompt, "--output-format", "json",
            "--allowedTools", "Read", "Write", "Edit", "--permission-mode", "acceptEdits"]
@@ -266,9 +272,29 @@ def run_session(case: Case, url: str, workdir: Path, timeout: float = 600, claud
         if s.why == "CLI error: no JSON result":
             s.why += f" ({s.result[-150:]!r})"
     s.passed = not s.why
-    # the last request's end reaches the telemetry just after the CLI exits
-    s.requests = [{k: j.get(k) for k in REQUEST_FIELDS} for j in finished_jobs(url, settle_s=60) if j["id"] > seen]
+    s.requests = requests_since(url, seen)
     return s
+
+
+def fresh_project(case: Case, workdir: Path) -> tuple[Path, Path, Path]:
+    """(project, HOME, the case's file in the project): new folders under `workdir`."""
+    project, home = workdir / "project", workdir / "home"
+    for d in (project, home):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    target = project / case.name
+    target.write_text(case.text)
+    return project, home, target
+
+
+def last_job(url: str) -> int:
+    return max((j["id"] for j in finished_jobs(url)), default=0)
+
+
+def requests_since(url: str, seen: int) -> list[dict]:
+    """Per-request statistics of the server's jobs after `seen` (the last request's end reaches
+    the telemetry just after the CLI exits: wait for it)."""
+    return [{k: j.get(k) for k in REQUEST_FIELDS} for j in finished_jobs(url, settle_s=60) if j["id"] > seen]
 
 
 # ---------------------------------------------------------------- report

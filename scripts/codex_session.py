@@ -19,7 +19,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -100,15 +99,10 @@ def run_codex_session(case, url: str, workdir: Path, timeout: float = 600, codex
     """One `codex exec` rename in a fresh project (`workdir`/project) and HOME, judged, with the
     server's per-request statistics (an agent_rename_eval.Session). Codex talks to `cli_url`
     (a recording proxy) if given."""
-    from agent_rename_eval import REQUEST_FIELDS, Session, finished_jobs
+    from agent_rename_eval import Session, fresh_project, last_job, requests_since
 
-    project, home = workdir / "project", workdir / "home"
-    for d in (project, home):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-    target = project / case.name
-    target.write_text(case.text)
-    seen = max((j["id"] for j in finished_jobs(url)), default=0)
+    project, home, target = fresh_project(case, workdir)
+    seen = last_job(url)
     s = Session(case.rel, case.old, case.new)
     t0 = time.perf_counter()
     rc, events, stderr = codex_exec(case.prompt, cli_url or url, project, home, timeout, codex)
@@ -127,7 +121,7 @@ def run_codex_session(case, url: str, workdir: Path, timeout: float = 600, codex
     if s.why == "timeout":
         s.why = f"timeout after {timeout:.0f} s"
     s.passed = not s.why
-    s.requests = [{k: j.get(k) for k in REQUEST_FIELDS} for j in finished_jobs(url, settle_s=60) if j["id"] > seen]
+    s.requests = requests_since(url, seen)
     return s
 
 

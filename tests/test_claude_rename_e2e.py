@@ -1,7 +1,7 @@
 """Issue 16 item 5: the real Claude Code CLI renames a held-out file through our server, offline.
 
 One session of scripts/agent_rename_eval.py (`claude -p "Rename OLD to NEW in FILE"` on one of its
-held-out mlx_lm files, `CASE_FILE`) against a real server on serve's defaults, and the checks the issue
+held-out mlx_lm files, `E2E_FILE`) against a real server on serve's defaults, and the checks the issue
 names: `is_error` false, the file on disk renamed exactly, the second request (the Write) read the
 first one's whole prompt from the prefix cache, and lookup drafted tokens of the re-emitted file.
 
@@ -40,7 +40,6 @@ def has_agent_stage() -> bool:
     return any(json.loads(p.read_text()).get("agent_frames") for p in MODEL.glob("train_stats*.json"))
 
 
-
 def real_cli(test):
     """A slow test that runs the real Claude Code CLI."""
     for mark in (pytest.mark.slow,
@@ -50,16 +49,9 @@ def real_cli(test):
     return test
 
 
-# A held-out file that the bundled model renames correctly through the CLI from a cold cache, as
-# here (3 of 10 pass in scripts/agent_rename_eval.py: this one, models/qwen3_vl.py and
-# models/smollm3.py; the last only with the warm cache the earlier sessions leave: cold, a near-tie
-# turns `mx.array` into `mx. number_array`).
-CASE_FILE = "generate_utils.py"
-
-
 @pytest.fixture(scope="module")
 def case() -> evaluation.Case:
-    return evaluation.case_for(CASE_FILE)
+    return evaluation.e2e_case()
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import agent_rename_eval as evaluation  # noqa: E402
 from codex_session import CODEX, apply_patch_for, run_codex_session  # noqa: E402
 
-# The held-out file of tests/test_claude_rename_e2e.py (one the bundled model renames through Claude Code).
-CASE_FILE = "generate_utils.py"
-
 
 def real_codex(test):
     """A slow test that runs the real Codex CLI."""
@@ -48,7 +45,7 @@ def real_codex(test):
 
 @pytest.fixture(scope="module")
 def case() -> evaluation.Case:
-    return evaluation.case_for(CASE_FILE)
+    return evaluation.e2e_case()
 
 
 @pytest.fixture(scope="module")

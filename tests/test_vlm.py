@@ -417,6 +417,16 @@ def test_qwen3_vl_image_requests_through_the_clients(qwen):
             assert list(pool.map(send, colors)) == [expected[c] for c in colors]
 
 
+def check_next_turn(engine, model_dir, messages, reply, images):
+    """The next turn, after the model's `reply` about BLUE: it reuses the cache past the image
+    and still equals mlx-vlm."""
+    turn2 = [*messages, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "And its colour?"}]
+    ids2, images2 = engine.render_chat_images(turn2, [BLUE])
+    second = run(engine, ids2, images2)
+    assert second.stats.cached_tokens >= images.end
+    assert second.token_ids == mlx_vlm_reference(model_dir, engine, turn2, [BLUE])[1]
+
+
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen2_vl"])
 def test_qwen2_and_2_5_vl_equal_mlx_vlm_over_two_turns(tmp_path, kind):
     """Qwen2-VL and Qwen2.5-VL share the path (M-RoPE in sections, no deepstack): lossless
@@ -431,12 +441,7 @@ def test_qwen2_and_2_5_vl_equal_mlx_vlm_over_two_turns(tmp_path, kind):
             replies[name] = run(e, ids, images)
             assert replies[name].token_ids == mlx_vlm_reference(model_dir, e, messages, [image])[1]
         assert replies["red"].token_ids != replies["blue"].token_ids and replies["red"].stats.accepted_tokens > 0
-        turn2 = [*messages, {"role": "assistant", "content": replies["blue"].text},
-                 {"role": "user", "content": "And its colour?"}]
-        ids2, images2 = e.render_chat_images(turn2, [BLUE])
-        second = run(e, ids2, images2)
-        assert second.stats.cached_tokens >= images.end
-        assert second.token_ids == mlx_vlm_reference(model_dir, e, turn2, [BLUE])[1]
+        check_next_turn(e, model_dir, messages, replies["blue"], images)
 
 
 @pytest.mark.parametrize("dequantize", ["1", "0"])
@@ -512,13 +517,7 @@ def test_gemma4_greedy_output_equals_mlx_vlm_generate(gemma4, gemma4_dir):
         assert replies[name].token_ids == ref
     assert replies["red"].token_ids != replies["blue"].token_ids
 
-    # the next turn reuses the cache past the image and still equals mlx-vlm
-    turn2 = [*messages, {"role": "assistant", "content": replies["blue"].text},
-             {"role": "user", "content": "And its colour?"}]
-    ids2, images2 = gemma4.render_chat_images(turn2, [BLUE])
-    second = run(gemma4, ids2, images2)
-    assert second.stats.cached_tokens >= images.end
-    assert second.token_ids == mlx_vlm_reference(gemma4_dir, gemma4, turn2, [BLUE])[1]
+    check_next_turn(gemma4, gemma4_dir, messages, replies["blue"], images)
 
 
 def test_gemma4_with_kv_shared_layers_equals_mlx_vlm(tmp_path):
