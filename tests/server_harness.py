@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
 
+import pytest
 import uvicorn
 
 from agent_bridge.server import UVICORN_OPTIONS
+
+
+def cli_test(cli, name: str):
+    """A decorator for a slow test that runs a real agent CLI from .node (`cli`, its path),
+    skipped where Node.js or the CLI is absent."""
+    def mark(test):
+        for m in (pytest.mark.slow,
+                  pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed (setup.sh needs npm)"),
+                  pytest.mark.skipif(not cli.exists(), reason=f"{name} is absent: run setup.sh")):
+            test = m(test)
+        return test
+    return mark
 
 
 class RunningServer:

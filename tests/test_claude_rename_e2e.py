@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from server_harness import RunningServer, build_agent_sized_model
+from server_harness import RunningServer, build_agent_sized_model, cli_test
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -40,13 +39,7 @@ def has_agent_stage() -> bool:
     return any(json.loads(p.read_text()).get("agent_frames") for p in MODEL.glob("train_stats*.json"))
 
 
-def real_cli(test):
-    """A slow test that runs the real Claude Code CLI."""
-    for mark in (pytest.mark.slow,
-                 pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed (setup.sh needs npm)"),
-                 pytest.mark.skipif(not evaluation.CLAUDE.exists(), reason="the Claude Code CLI is absent: run setup.sh")):
-        test = mark(test)
-    return test
+real_cli = cli_test(evaluation.CLAUDE, "the Claude Code CLI")  # a slow test that runs the Claude Code CLI
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,11 @@ function of one string, `input`, and answers its calls as `custom_tool_call` ite
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from server_harness import RunningServer, build_agent_sized_model
+from server_harness import RunningServer, build_agent_sized_model, cli_test
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -34,13 +33,7 @@ import agent_rename_eval as evaluation  # noqa: E402
 from codex_session import CODEX, apply_patch_for, run_codex_session  # noqa: E402
 
 
-def real_codex(test):
-    """A slow test that runs the real Codex CLI."""
-    for mark in (pytest.mark.slow,
-                 pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed (setup.sh needs npm)"),
-                 pytest.mark.skipif(not CODEX.exists(), reason="the Codex CLI is absent: run setup.sh")):
-        test = mark(test)
-    return test
+real_codex = cli_test(CODEX, "the Codex CLI")  # a slow test that runs the Codex CLI
 
 
 @pytest.fixture(scope="module")
