@@ -116,3 +116,17 @@ def test_focus_weights_fall_on_the_rename_sites():
             assert w == (4 if touches else 1), (text[start:end], w)
     answer_sites = [text[a:b] for a, b in sites if a >= len(sample.prompt)]
     assert len(answer_sites) == len(re.findall(sample.focus[0], sample.answer))
+
+
+def test_a_rewrite_focuses_on_its_new_names_only():
+    """A rewrite's focus is the names it renames, one or two, never a line edit's text."""
+    text = (ROOT / "engine" / "radix_tree.py").read_text()
+    rng, seen = random.Random(7), set()
+    while len(seen) < 2:
+        sample = data.make_task("rewrite", "pkg/radix_tree.py", text, rng)
+        if sample is None:
+            continue
+        names = re.findall(r"to `([A-Za-z_]\w*)`", sample.prompt)
+        seen.add(len(sample.focus))
+        assert sample.focus == tuple(map(data.name_pattern, names[-len(sample.focus):]))
+        assert all(len(data.focus_spans(sample.answer, [p])) >= 1 for p in sample.focus)

@@ -381,13 +381,13 @@ def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40,
             if r2 is None or r2[0] == new:
                 return None
             instr = f"Rename `{old}` to `{new}` and `{r2[0]}` to `{r2[1]}`."
-            out = r2[2]
+            out, renamed = r2[2], (new, r2[1])
         else:
             r2 = make_line_edit(mid, rng)
             if r2 is None:
                 return None
             instr = f"Rename `{old}` to `{new}`, then {r2[0]}"
-            out = r2[1]
+            out, renamed = r2[1], (new,)
         user = render_user("rewrite_file", rng, path=path, instruction=instr, code=ex)
     elif kind == "continue":
         lines = ex.splitlines(keepends=True)
@@ -398,10 +398,8 @@ def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40,
         raise ValueError(kind)
     if out == ex and kind != "continue":
         return None
-    focus = () if kind in ("edit", "continue") else (name_pattern(new),)
-    if kind == "rewrite" and instr.count("`") == 4:  # two renames
-        focus += (name_pattern(r2[1]),)
-    return Sample(chat_prefix(user, system), reply(out), kind, focus)
+    focus = (new,) if kind == "rename" else renamed if kind == "rewrite" else ()
+    return Sample(chat_prefix(user, system), reply(out), kind, tuple(map(name_pattern, focus)))
 
 
 # ---------------------------------------------------------------- loss weights
