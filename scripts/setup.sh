@@ -21,13 +21,15 @@ fi
 # in pyarrow, pandas, opencv, datasets, mlx-audio...; importing its models, processors and generate
 # needs only transformers, pillow, jinja2, tqdm (already here) and requests (in the test extra).
 .venv/bin/python -m pip install -q --no-deps "mlx-vlm>=0.7.10,<0.8"
-# The real Claude Code CLI for the integration tests (tests skip without npm).
+# The real Claude Code CLI for the integration tests (tests skip without npm). Pinned: the bundled
+# model was trained on this version's prompt (training/capture_sessions.py), and the end-to-end
+# test runs it.
 if command -v npm >/dev/null && [ ! -x .node/node_modules/.bin/claude ]; then
-  npm install --prefix .node --silent --no-audit --no-fund @anthropic-ai/claude-code >/dev/null
+  npm install --prefix .node --silent --no-audit --no-fund @anthropic-ai/claude-code@2.1.197 >/dev/null
 fi
-# The real Codex CLI (OpenAI Responses API) for the server tests.
+# The real Codex CLI (OpenAI Responses API) for the server tests, pinned likewise.
 if command -v npm >/dev/null && [ ! -x .node/node_modules/.bin/codex ]; then
-  npm install --prefix .node --silent --no-audit --no-fund @openai/codex >/dev/null
+  npm install --prefix .node --silent --no-audit --no-fund @openai/codex@0.171.0 >/dev/null
 fi
 # PyTorch (CPU) for the training tests (tests/test_hybrid_training.py: the PyTorch hybrid decoder
 # equals mlx-lm's on its export), from a local CPU wheel where the machine has one (PyPI's
