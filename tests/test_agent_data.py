@@ -114,19 +114,33 @@ def test_focus_weights_fall_on_the_rename_sites():
         else:
             touches = any(a < end and start < b for a, b in sites)
             assert w == (4 if touches else 1), (text[start:end], w)
-    answer_sites = [text[a:b] for a, b in sites if a >= len(sample.prompt)]
-    assert len(answer_sites) == len(re.findall(sample.focus[0], sample.answer))
+    answer_sites = [(a, b) for a, b in sites if a >= len(sample.prompt)]
+    for m in re.finditer(sample.focus[0], sample.answer):  # every new name lies in a site
+        start = len(sample.prompt) + m.start()
+        assert any(a < start and start + len(m.group(0)) < b for a, b in answer_sites)
 
 
-def test_a_rewrite_focuses_on_its_new_names_only():
-    """A rewrite's focus is the names it renames, one or two, never a line edit's text."""
+def test_focus_covers_the_old_name_left_inside_longer_names():
+    """Renaming `size` leaves `size_diff` and `resize` alone: those places weigh as much as the new
+    name's, since a small model renames them by mistake."""
+    before = "size = 1\nsize_diff = size - 2\ndef resize(size):\n    return size_diff + size\n"
+    after = data.rename(before, "size", "count")
+    assert after == "count = 1\nsize_diff = count - 2\ndef resize(count):\n    return size_diff + count\n"
+    focus = data.rename_focus([("size", "count")])
+    sites = [after[a:b] for a, b in data.focus_spans(after, focus)]
+    assert sites == ["count ", "\nsize_", " count ", "esize(count)", " size_", " count\n"]
+
+
+def test_a_rewrite_focuses_on_its_renames_only():
+    """A rewrite's focus is its renames, one or two (`rename_focus`), never a line edit's text."""
     text = (ROOT / "engine" / "radix_tree.py").read_text()
     rng, seen = random.Random(7), set()
     while len(seen) < 2:
         sample = data.make_task("rewrite", "pkg/radix_tree.py", text, rng)
         if sample is None:
             continue
-        names = re.findall(r"to `([A-Za-z_]\w*)`", sample.prompt)
-        seen.add(len(sample.focus))
-        assert sample.focus == tuple(map(data.name_pattern, names[-len(sample.focus):]))
-        assert all(len(data.focus_spans(sample.answer, [p])) >= 1 for p in sample.focus)
+        instruction = re.search(r"Rename `.*", sample.prompt).group(0)
+        renames = re.findall(r"`([A-Za-z_]\w*)` to `([A-Za-z_]\w*)`", instruction)
+        seen.add(len(renames))
+        assert sample.focus == data.rename_focus(renames)
+        assert all(len(data.focus_spans(sample.answer, [data.name_pattern(new)])) >= 1 for _, new in renames)

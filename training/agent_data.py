@@ -153,7 +153,7 @@ def make_session(frames: list[Frame], path: str, text: str, rng: random.Random, 
                  edit_share=0.15) -> tuple[list[tuple[str, bool]], tuple[str, ...]] | None:
     """A random session over `text` (a corpus file at `path`; an excerpt of it when long), or
     None: its (segment, trained) pairs and the focus regexes for `encode_segments` (the path the
-    model must copy, and a rename's new name)."""
+    model must copy, and a rename's `data.rename_focus`)."""
     lines = text.count("\n")
     before = text if min_lines <= lines <= max_lines and text.endswith("\n") else data.excerpt(text, rng, min_lines, max_lines)
     if before is None or "\t" in before or "\r" in before:
@@ -175,7 +175,7 @@ def make_session(frames: list[Frame], path: str, text: str, rng: random.Random, 
         old, new, after = r
         task = rng.choice(RENAME_TASKS).format(old=old, new=new, rel=rel)
         closing = rng.choice(RENAME_CLOSINGS).format(old=old, new=new, rel=rel)
-        focus = (data.name_pattern(new),)
+        focus = data.rename_focus([(old, new)])
     if after == before:
         return None
     env = random_env(rng, task, Path(path).stem)

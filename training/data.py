@@ -347,7 +347,7 @@ class Sample:
     prompt: str  # no loss
     answer: str  # loss (ends with <|im_end|>)
     kind: str
-    focus: tuple[str, ...] = ()  # regexes for what the edit changed (the new names): weighted loss
+    focus: tuple[str, ...] = ()  # regexes for where the edit is decided (`rename_focus`): weighted loss
 
 
 def _cap(s: str) -> str:
@@ -381,13 +381,13 @@ def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40,
             if r2 is None or r2[0] == new:
                 return None
             instr = f"Rename `{old}` to `{new}` and `{r2[0]}` to `{r2[1]}`."
-            out, renamed = r2[2], (new, r2[1])
+            out, renamed = r2[2], ((old, new), r2[:2])
         else:
             r2 = make_line_edit(mid, rng)
             if r2 is None:
                 return None
             instr = f"Rename `{old}` to `{new}`, then {r2[0]}"
-            out, renamed = r2[1], (new,)
+            out, renamed = r2[1], ((old, new),)
         user = render_user("rewrite_file", rng, path=path, instruction=instr, code=ex)
     elif kind == "continue":
         lines = ex.splitlines(keepends=True)
@@ -398,8 +398,15 @@ def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40,
         raise ValueError(kind)
     if out == ex and kind != "continue":
         return None
-    focus = (new,) if kind == "rename" else renamed if kind == "rewrite" else ()
-    return Sample(chat_prefix(user, system), reply(out), kind, tuple(map(name_pattern, focus)))
+    focus = rename_focus([(old, new)] if kind == "rename" else renamed if kind == "rewrite" else [])
+    return Sample(chat_prefix(user, system), reply(out), kind, focus)
+
+
+def rename_focus(renames) -> tuple[str, ...]:
+    """The focus regexes of renames (old, new): every new name, and what is left of each old name
+    in the renamed text. Every whole-word occurrence is gone, so what is left sits inside a longer
+    identifier (`size` in `size_diff`): the places a small model renames by mistake."""
+    return tuple(p for old, new in renames for p in (name_pattern(new), re.escape(old)))
 
 
 # ---------------------------------------------------------------- loss weights
