@@ -16,6 +16,10 @@ DEFAULT_MODEL = "mlx-dspark"
 DEFAULT_CONTEXT = 32768
 DEFAULT_MAX_OUTPUT = 8192
 SERVER_NAME = "mlx-dspark"
+# The model name Codex sends. Our server answers with the model it loaded under any name, but Codex
+# picks its tools by this name: for one it has no metadata for it offers only its shell, no edit
+# tool. This slug of its catalogue carries the freeform apply_patch.
+CODEX_MODEL = "gpt-5.5"
 HOOKS_DIR = Path(__file__).resolve().parents[1] / "integrations" / "claude-code" / "hooks"
 HOOK_SCRIPTS = ("session_start.py", "post_tool_use.py")
 
@@ -136,7 +140,7 @@ def codex(o: Options, parts: set[str]) -> list[Target]:
             "name": "mlx-dspark (local)", "base_url": f"{o.base_url}/v1", "wire_api": "responses",
         }}
         # a profile, so your default model stays as it is: `codex --profile mlx-dspark`
-        data["profiles"] = {SERVER_NAME: {"model_provider": SERVER_NAME, "model": o.model,
+        data["profiles"] = {SERVER_NAME: {"model_provider": SERVER_NAME, "model": CODEX_MODEL,
                                           "model_context_window": o.context}}
     if "mcp" in parts:
         entry = ({"command": o.command, "args": ["mcp"], "startup_timeout_sec": 60} if o.transport == "stdio"

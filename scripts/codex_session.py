@@ -4,11 +4,11 @@ scripts/agent_rename_eval.py's Claude Code sessions (`--client codex` there).
     codex exec --skip-git-repo-check --sandbox workspace-write --json "Rename OLD to NEW in FILE"
 
 in a fresh project folder and a fresh HOME/CODEX_HOME whose config.toml points a `model_providers`
-entry at the server (`wire_api = "responses"`). `model = "gpt-5.5"`: only the name Codex sends (our
-server answers with the model it loaded under any name); Codex picks its tools by that name, and
-for a model it has no metadata for (`local`) it offers no edit tool at all, only its shell
-(`exec_command`). With a catalogue slug it adds `apply_patch`, a freeform `custom` tool, as its own
-models use. `--sandbox workspace-write` lets the shell and apply_patch write in the project here.
+entry at the server (`wire_api = "responses"`). `model = "gpt-5.5"` (`clients.CODEX_MODEL`, as
+`mlx-dspark integrate codex` writes it): only the name Codex sends (our server answers with the
+model it loaded under any name); Codex picks its tools by that name, and for a model it has no
+metadata for (`local`) it offers no edit tool at all, only its shell (`exec_command`). With a
+catalogue slug it adds `apply_patch`, a freeform `custom` tool, as its own models use. `--sandbox workspace-write` lets the shell and apply_patch write in the project here.
 
 The session's tool calls come from `--json`'s events: `command_execution` (the shell, shown as
 "shell"), `file_change` (apply_patch), `mcp_tool_call`, ...; "!" marks one that failed.
@@ -23,9 +23,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from agent_bridge.clients import CODEX_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
 CODEX = ROOT / ".node" / "node_modules" / ".bin" / "codex"
-CODEX_MODEL = "gpt-5.5"  # a slug in Codex's catalogue whose tools include the freeform apply_patch
 
 
 def codex_env(url: str, home: Path) -> dict:

@@ -57,6 +57,8 @@ def test_codex_snippet_speaks_responses():
     assert cfg["model_providers"]["mlx-dspark"]["wire_api"] == "responses"
     assert cfg["model_providers"]["mlx-dspark"]["base_url"] == "http://127.0.0.1:8080/v1"
     assert cfg["mcp_servers"]["mlx-dspark"]["args"] == ["mcp"]
+    # a name Codex has tools for: with an unknown one ("mlx-dspark") it offers no edit tool
+    assert cfg["profiles"]["mlx-dspark"]["model"] == "gpt-5.5"
 
 
 @pytest.fixture
