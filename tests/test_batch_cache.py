@@ -115,7 +115,7 @@ def test_verbatim_copies_wider_than_the_surface_join_the_batch():
     fw = lambda *widths: [Forward(list(range(w)), []) for w in widths]  # noqa: E731
     widths = lambda fs: sorted(len(f.tokens) for f in fs)  # noqa: E731
     everywhere = synthetic(widest=32)  # batching pays at every measured width, up to 32
-    assert everywhere.is_batched(33) and not synthetic(widest=8).is_batched(9)
+    assert everywhere.is_batched(33) and not synthetic(widest=8).is_batched(15)
     assert widths(choose_batch(fw(17, 33, 30), everywhere)) == [17, 30, 33]
     # four rows in the batch: rows without a forward compute padding, so the batch is priced at 4
     flat = synthetic(lambda b: 1.0, widest=32)  # batching saves nothing: each alone

@@ -71,7 +71,7 @@ def test_unmeasured_defaults_keep_issue_14s_choices():
 
 def test_widest_batched_width_and_max_batch_follow_the_surface():
     s = synthetic(widest=8)
-    assert s.max_batched_width() == 8
+    assert s.max_batched_width() == 14  # 8 saves half, 16 nothing: the line between saves a tenth up to 14
     assert s.saving(2, 4) == pytest.approx(1 - 1 / math.sqrt(2)) and s.saving(4, 16) == pytest.approx(0.0)
     assert s.best_max_batch() == 8  # each doubling gains sqrt(2): more than 15%
     assert s.best_max_batch(gain=1.0) == 4  # twice batch 1 at 4; 8 is not twice 4
@@ -80,6 +80,18 @@ def test_widest_batched_width_and_max_batch_follow_the_surface():
     assert flat.max_batched_width() == 0 and flat.best_max_batch() == 4
     # past 2 sequences the batch stops gaining: 2
     assert synthetic(lambda b: 1 / math.sqrt(min(b, 2))).best_max_batch() == 2
+
+
+def test_a_width_between_measured_ones_batches_where_the_line_between_still_saves():
+    """A lookup copy's 17-token forward (a 16-token verbatim draft) beside a surface measured at
+    16, where batching saves, and 32, where it doesn't: judged by the interpolated surface, not
+    sent alone for being past the widest measured width that saves."""
+    fw = lambda *widths: [Forward(list(range(w)), []) for w in widths]  # noqa: E731
+    s = synthetic(widest=16)
+    assert s.saving(4, 16) == pytest.approx(0.5) and s.saving(4, 32) == pytest.approx(0.0)
+    assert s.is_batched(17) and s.is_batched(27) and not s.is_batched(28) and s.max_batched_width() == 27
+    assert [len(f.tokens) for f in choose_batch(fw(17, 17, 17, 17), s)] == [17] * 4
+    assert choose_batch(fw(30, 30), s) == []  # the line between saves too little there: each alone
 
 
 def test_factor_prices_a_draft_among_batched_sequences():
