@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="record what the CLI sends, one FILE.jsonl per session (keep it out of the repository)")
     ap.add_argument("--list", action="store_true", help="print the held-out cases and stop")
     ap.add_argument("--json", help="write the sessions and their requests here")
+    ap.add_argument("--sessions-dir", help="run each session in DIR/project, DIR/home (default: a fresh temporary "
+                    "folder). The model copies this path into its tool calls, and a small one copies some random "
+                    "names wrong: give the same DIR to compare two models on equal terms")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` stops the server and the CLI too
 
@@ -374,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     work = Path(tempfile.mkdtemp(prefix="agent-rename-"))
+    sessions_dir = Path(args.sessions_dir) if args.sessions_dir else work / "session"
     server, url = None, args.url
     stack = contextlib.ExitStack()
     try:
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_dir = Path(args.cache_dir) if args.cache_dir else work / "cache"
             print(f"starting mlx-dspark serve (cache {cache_dir}, log {work / 'serve.log'}) ...", flush=True)
             server, url = start_server(args.model, cache_dir, work / "serve.log")
-        print(f"load average at start: {load_avg()}", flush=True)
+        print(f"load average at start: {load_avg()}; sessions in {sessions_dir}", flush=True)
         proxy = None
         if args.capture:
             from recording_proxy import RecordingProxy
@@ -394,10 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                 proxy.recorder.out = Path(args.capture) / f"{Path(c.rel).stem}.jsonl"
                 proxy.recorder.out.unlink(missing_ok=True)
             if args.client == "codex":
-                s = codex_session.run_codex_session(c, url, work / "session", args.timeout, cli,
+                s = codex_session.run_codex_session(c, url, sessions_dir, args.timeout, cli,
                                                     cli_url=proxy.url if proxy else None)
             else:
-                s = run_session(c, url, work / "session", args.timeout, cli, args.max_output_tokens,
+                s = run_session(c, url, sessions_dir, args.timeout, cli, args.max_output_tokens,
                                 cli_url=proxy.url if proxy else None, max_turns=args.max_turns)
             sessions.append(s)
             print(f"{c.rel}: {'PASS' if s.passed else 'FAIL'} {s.why} ({s.wall_s:.1f} s, "
@@ -407,14 +411,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({
                 "model": args.model or "bundled", "client": args.client, "seed": args.seed, "mlx_lm": mlx_lm.__version__,
-                "load_average_end": load_avg(), "passed": sum(s.passed for s in sessions),
+                "load_average_end": load_avg(), "sessions_dir": str(sessions_dir),
+                "passed": sum(s.passed for s in sessions),
                 "sessions": [asdict(s) for s in sessions]}, indent=1))
         return 0
     finally:
         stack.close()
         if server is not None:
             server.stop()
-        shutil.rmtree(work / "session", ignore_errors=True)
+        shutil.rmtree(sessions_dir / "project", ignore_errors=True)
+        shutil.rmtree(sessions_dir / "home", ignore_errors=True)
 
 
 if __name__ == "__main__":

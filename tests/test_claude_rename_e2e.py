@@ -206,15 +206,17 @@ def test_evaluation_script_end_to_end(case, cache_home, tmp_path, agent_sized_mo
         script_engine(engine).set("I cannot do that.")
         with RunningServer(create_app(engine)) as srv:
             rc = evaluation.main(["--url", srv.url, "--only", case.rel, "--capture", str(tmp_path / "cap"),
-                                  "--json", str(tmp_path / "out.json")])
+                                  "--json", str(tmp_path / "out.json"), "--sessions-dir", str(tmp_path / "s")])
     assert rc == 0
     out = json.loads((tmp_path / "out.json").read_text())
+    assert out["sessions_dir"] == str(tmp_path / "s")
     (session,) = out["sessions"]
     assert (out["passed"], session["file"], session["why"]) == (0, case.rel, "no Read (answered: 'I cannot do that.')")
     assert [r["finish"] for r in session["requests"]] == ["stop"]
     assert f"| {case.rel} | {case.old} -> {case.new} | no | no Read (answered: " in capsys.readouterr().out
     sent = (tmp_path / "cap" / f"{Path(case.rel).stem}.jsonl").read_text().splitlines()
     assert len(sent) == 1 and case.prompt in json.dumps(json.loads(sent[0])["body"]["messages"])
+    assert f"{tmp_path / 's' / 'project'}" in json.dumps(json.loads(sent[0])["body"])  # the CLI ran there
 
 
 def test_draft_counts_by_drafter_sum_to_the_totals(tiny_model_dir):
