@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -90,9 +92,15 @@ def check(session: evaluation.Session) -> None:
 @real_cli
 @pytest.mark.skipif(not has_agent_stage() and not os.environ.get("MLX_DSPARK_E2E_BUNDLED"),
                     reason="the bundled model has no agent-format stage yet (no train_stats*.json with agent_frames)")
-def test_bundled_model_renames_through_claude_code(case, cache_home, tmp_path):
-    with serve_engine(str(MODEL)) as engine:
-        session, _ = rename_session(engine, case, tmp_path)
+def test_bundled_model_renames_through_claude_code(case, cache_home):
+    # A fixed project path, not pytest's numbered one: the model copies the path into its calls,
+    # and this small one copies some random folder names wrong, so the test runs where it was checked.
+    where = Path(tempfile.gettempdir()) / "mlx-dspark-e2e-rename"
+    try:
+        with serve_engine(str(MODEL)) as engine:
+            session, _ = rename_session(engine, case, where)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
     check(session)
     assert session.tool_calls[:2] == ["Read", "Write"], session.tool_calls
 
