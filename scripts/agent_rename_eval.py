@@ -120,9 +120,9 @@ def make_case(rel: str, text: str, seed: int = 0) -> Case | None:
 
 # The held-out file the end-to-end tests run: one the bundled model renames correctly through
 # Claude Code from a cold cache, as a test starts: one that agent stages 5 (the bundled weights) and 6
-# both passed. models/qwen3_vl.py passed stages 4, 5 and 6 in the evaluation, then failed on the
-# bundled weights once their heads were retrained: whether to rename `get` in `weights.get(...)` is a
-# near-tie for this model, and verify forwards of other widths round it the other way.
+# both passed. The project's path is part of what the model reads and copies, so a pass holds for
+# the path it was checked in (the test fixes it): models/qwen3_vl.py passes in one temporary folder
+# and comes back unchanged in another.
 E2E_FILE = "models/kimi_k25.py"
 
 
