@@ -8,7 +8,8 @@ entry at the server (`wire_api = "responses"`). `model = "gpt-5.5"` (`clients.CO
 `mlx-dspark integrate codex` writes it): only the name Codex sends (our server answers with the
 model it loaded under any name); Codex picks its tools by that name, and for a model it has no
 metadata for (`local`) it offers no edit tool at all, only its shell (`exec_command`). With a
-catalogue slug it adds `apply_patch`, a freeform `custom` tool, as its own models use. `--sandbox workspace-write` lets the shell and apply_patch write in the project here.
+catalogue slug it adds `apply_patch`, a freeform `custom` tool, as its own models use.
+`--sandbox workspace-write` lets the shell and apply_patch write in the project here.
 
 The session's tool calls come from `--json`'s events: `command_execution` (the shell, shown as
 "shell"), `file_change` (apply_patch), `mcp_tool_call`, ...; "!" marks one that failed.
