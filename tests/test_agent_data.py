@@ -144,3 +144,24 @@ def test_a_rewrite_focuses_on_its_renames_only():
         seen.add(len(renames))
         assert sample.focus == data.rename_focus(renames)
         assert all(len(data.focus_spans(sample.answer, [data.name_pattern(new)])) >= 1 for _, new in renames)
+
+
+def test_focus_covers_whole_words_inside_the_old_name():
+    """Renaming `weights` leaves the string's `weight` alone: that place weighs as much as the new
+    name's (a small model renamed `"proj.weight"` with `weights`)."""
+    before = 'weights = {}\nweights[f"{p}.weight"] = w\nweight_b = weights\n'
+    after = data.rename(before, "weights", "row_response")
+    focus = data.rename_focus([("weights", "row_response")])
+    sites = [after[a:b] for a, b in data.focus_spans(after, focus)]
+    assert sites == ["row_response ", "\nrow_response[", ".weight\"", " row_response\n"]
+
+
+def test_training_renames_prefer_names_with_look_alikes_and_evaluations_stay_put():
+    """Training's renames pick names with a look-alike (`confused`) more often; the default weight
+    leaves the evaluations' held-out picks exactly as before."""
+    code = "".join(f"def f{i}(value, value_max, item):\n    return value + value_max + item + item\n" for i in range(5))
+    assert data.confused("value", {"value", "value_max", "item"}) and not data.confused("item", {"value", "item"})
+    picks = lambda w: [data.pick_identifier(code, random.Random(s), confused_weight=w) for s in range(400)]  # noqa: E731
+    plain, preferred = picks(1.0), picks(data.CONFUSED_WEIGHT)
+    assert preferred.count("item") < plain.count("item") / 1.5  # the one name without a look-alike
+    assert plain == [data.pick_identifier(code, random.Random(s)) for s in range(400)]

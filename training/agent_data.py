@@ -169,7 +169,7 @@ def make_session(frames: list[Frame], path: str, text: str, rng: random.Random, 
         closing = rng.choice(EDIT_CLOSINGS).format(rel=rel)
         focus = ()
     else:
-        r = data.make_rename(before, rng)
+        r = data.make_rename(before, rng, data.CONFUSED_WEIGHT)
         if r is None:
             return None
         old, new, after = r

@@ -175,7 +175,10 @@ def excerpt(text: str, rng: random.Random, min_lines: int, max_lines: int) -> st
     return ex
 
 
-def pick_identifier(code: str, rng: random.Random, min_count: int = 2) -> str | None:
+def pick_identifier(code: str, rng: random.Random, min_count: int = 2, confused_weight: float = 1.0) -> str | None:
+    """An identifier seen at least `min_count` times, names defined in `code` preferred, and
+    names with look-alikes in it (`confused`) weighed `confused_weight` times (training asks for
+    more of those; the evaluations keep 1, so their held-out tasks stay the same)."""
     counts: dict[str, int] = {}
     for m in IDENT_RE.finditer(code):
         counts[m.group(0)] = counts.get(m.group(0), 0) + 1
@@ -184,8 +187,15 @@ def pick_identifier(code: str, rng: random.Random, min_count: int = 2) -> str | 
     if not cands:
         return None
     cands.sort()
-    weights = [(4.0 if w in defined else 1.0) * min(counts[w], 8) for w in cands]
+    weights = [(4.0 if w in defined else 1.0) * min(counts[w], 8)
+               * (confused_weight if confused_weight != 1.0 and confused(w, counts) else 1.0) for w in cands]
     return rng.choices(cands, weights)[0]
+
+
+def confused(name: str, names) -> bool:
+    """Whether another of `names` holds `name` (`func_args_match` for `func_args`) or sits
+    inside it (`weight` for `weights`): where a small model's renames go wrong."""
+    return any(w != name and (name in w or (len(w) >= 3 and w in name)) for w in names)
 
 
 WORDS = (
@@ -244,8 +254,8 @@ def new_name(old: str, code: str, rng: random.Random) -> str | None:
     return None
 
 
-def make_rename(code: str, rng: random.Random):
-    old = pick_identifier(code, rng)
+def make_rename(code: str, rng: random.Random, confused_weight: float = 1.0):
+    old = pick_identifier(code, rng, confused_weight=confused_weight)
     if old is None:
         return None
     new = new_name(old, code, rng)
@@ -354,13 +364,16 @@ def _cap(s: str) -> str:
     return s[:1].upper() + s[1:]
 
 
+CONFUSED_WEIGHT = 3.0  # training's renames pick names with look-alikes (`confused`) this much more often
+
+
 def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40, max_lines=300) -> Sample | None:
     ex = excerpt(text, rng, min_lines, max_lines)
     if ex is None:
         return None
     system = prompts.load("system").rstrip("\n") if rng.random() < 0.9 else None
     if kind == "rename":
-        r = make_rename(ex, rng)
+        r = make_rename(ex, rng, CONFUSED_WEIGHT)
         if r is None:
             return None
         old, new, out = r
@@ -372,12 +385,12 @@ def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40,
         instr, out = r
         user = render_user("edit_file", rng, path=path, instruction=_cap(instr), code=ex)
     elif kind == "rewrite":
-        r1 = make_rename(ex, rng)
+        r1 = make_rename(ex, rng, CONFUSED_WEIGHT)
         if r1 is None:
             return None
         old, new, mid = r1
         if rng.random() < 0.5:
-            r2 = make_rename(mid, rng)
+            r2 = make_rename(mid, rng, CONFUSED_WEIGHT)
             if r2 is None or r2[0] == new:
                 return None
             instr = f"Rename `{old}` to `{new}` and `{r2[0]}` to `{r2[1]}`."
@@ -403,10 +416,19 @@ def make_task(kind: str, path: str, text: str, rng: random.Random, min_lines=40,
 
 
 def rename_focus(renames) -> tuple[str, ...]:
-    """The focus regexes of renames (old, new): every new name, and what is left of each old name
-    in the renamed text. Every whole-word occurrence is gone, so what is left sits inside a longer
-    identifier (`size` in `size_diff`): the places a small model renames by mistake."""
-    return tuple(p for old, new in renames for p in (name_pattern(new), re.escape(old)))
+    """The focus regexes of renames (old, new): every new name, and the places a small model
+    renames by mistake: what is left of each old name in the renamed text (every whole-word
+    occurrence is gone, so what is left sits inside a longer identifier: `size` in `size_diff`),
+    and whole words that sit inside the old name (`weight` beside `weights`)."""
+    return tuple(p for old, new in renames for p in (name_pattern(new), re.escape(old), *inner_words(old)))
+
+
+def inner_words(name: str, shortest: int = 3) -> tuple[str, ...]:
+    """A regex (or none) for whole-word identifiers of at least `shortest` characters found
+    inside `name`: `weight`, `eight` and `ghts` inside `weights`."""
+    parts = {name[i:j] for i in range(len(name)) for j in range(i + shortest, len(name) + 1)} - {name}
+    words = sorted((p for p in parts if p.isidentifier()), key=lambda p: (-len(p), p))
+    return (r"(?<![A-Za-z0-9_])(?:" + "|".join(map(re.escape, words)) + r")(?![A-Za-z0-9_])",) if words else ()
 
 
 # ---------------------------------------------------------------- loss weights
