@@ -389,7 +389,8 @@ def in_unread_tail() -> bool:
 
 def handles(queries, keys, mask, sinks) -> bool:
     """Whether this path should take these arguments: it computes them exactly (up to
-    float32 rounding) and the chunk is above the crossover."""
+    float32 rounding) and pays: a prefill chunk above the crossover, or on the engine thread a
+    decode or verify forward of MIN_TOKENS tokens or more."""
     import mlx.core as mx
 
     if _min_keys is None or getattr(_state, "off", False) or sinks is not None:
