@@ -360,8 +360,8 @@ def engine_thread():
     """This thread is the engine's (engine/engine.py holds it for its life): its decode and
     verify forwards may take this path too, and cpu_swiglu's kernel. Everything the engine
     decodes runs here, alone or batched, and so does a reference it is compared with
-    (`Engine.call`), so both compute the same way. Off it (training, a script's own forward
-    under autodiff) MLX computes as usual."""
+    (`Engine.call`): a forward of the same size computes the same way in both. Off it
+    (training, a script's own forward under autodiff) MLX computes as usual."""
     old = getattr(_state, "engine", False)
     _state.engine = True
     try:
