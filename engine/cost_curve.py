@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-CURVE_FORMAT = 1
+CURVE_FORMAT = 2  # 2: CPU decode and verify forwards on the compiled attention and SwiGLU (cheaper batched)
 MAX_WIDTH = 64
 DEFAULT_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # interpolated between
 DEFAULT_DEPTHS = (256, 2048, 8192)

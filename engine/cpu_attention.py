@@ -14,11 +14,16 @@ matmuls and ufuncs do the same steps (they release the GIL too).
 `install()` routes `mx.fast.scaled_dot_product_attention` here, which every mlx-lm
 family reaches (directly or through `mlx_lm.models.base.scaled_dot_product_attention`,
 which looks it up at call time), so no model file is forked. Only what this computes
-exactly is taken: the CPU device, float32, no mask or the bottom-right "causal" one,
-no sinks, and a prefill chunk (wider than any verify pass) over at least the measured crossover's
-keys (`attention_tune.py`).
-Anything else (array masks such as sliding windows, sinks, other dtypes, decode
-steps, small chunks, a graph being compiled) goes to MLX's own kernel.
+exactly is taken: the CPU device, float32, no sinks, and either
+- a prefill chunk (wider than any verify pass) over at least the measured crossover's keys
+  (`attention_tune.py`), no mask or the bottom-right "causal" one; or
+- on the engine's thread (`engine_thread`), a decode or verify forward (as narrow as a verify
+  pass), no mask, "causal", or an array mask that is causal with its own offset per batch row
+  (a batched verify forward's, engine/batch_cache.py). MLX's CPU exp costs about 25 ns an
+  element here (numpy's: under 1), so its softmax, not the matmuls, was most of the attention
+  of a verify forward: 4.5 ms a layer for 4 rows of 17 tokens over 300 keys.
+Anything else (sliding windows and other array masks, sinks, other dtypes, a graph being
+compiled, a forward off the engine thread) goes to MLX's own kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from .cost_curve import MAX_WIDTH
 
 QUERY_ROWS = 256  # rows of a score tile (query positions x heads sharing a kv head)
 KEY_BLOCK = 512  # columns of a score tile: 256 x 512 float32 = 512 KB per thread
+SPLIT_WORK = 1 << 24  # q elements x keys below which one thread does it all (handing items out costs more)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -107,13 +113,15 @@ def attention(
     query_rows: int = QUERY_ROWS,
     key_block: int = KEY_BLOCK,
     threads: int | None = None,
+    offsets: np.ndarray | None = None,
 ) -> np.ndarray:
     """softmax(q k^T * scale [+ causal mask]) v for float32 arrays.
 
     q: (B, Hq, L, D); k: (B, Hkv, S, Dk); v: (B, Hkv, S, Dv), Hq a multiple of Hkv
     (grouped-query attention). The causal mask is MLX's: query i sits at position
     S - L + i (a prefill chunk after a cached prefix of S - L tokens) and sees keys
-    0..S - L + i. Returns (B, Hq, L, Dv) float32.
+    0..S - L + i; `offsets` (B,) put batch row b's query i at offsets[b] + i instead
+    (a batched verify forward: each row at its own length). Returns (B, Hq, L, Dv) float32.
     """
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -122,7 +130,14 @@ def attention(
     if causal and S < L:
         raise ValueError("a causal chunk needs at least as many keys as queries")
     rep = Hq // Hkv
-    offset = S - L if causal else 0
+    if offsets is None:
+        offsets = np.full(B, S - L if causal else 0)
+    elif causal and int(np.max(offsets)) + L > S:
+        raise ValueError("a row's queries sit past the keys")
+    n = threads or (_threads() if q.size * S >= SPLIT_WORK else 1)
+    if n == 1 and L * rep <= query_rows and _heads_kernel():
+        with _one_blas_thread():
+            return _heads_in_c(q, k, v, scale, offsets if causal else None, key_block)
     out = np.empty((B, Hq, L, v.shape[-1]), dtype=np.float32)
     positions = max(1, query_rows // rep)  # query positions per tile; all `rep` heads of each
     items = [(b, h, p0, min(p0 + positions, L)) for b in range(B) for h in range(Hkv)
@@ -133,9 +148,8 @@ def attention(
 
     def run(item):
         b, h, p0, p1 = item
-        _tile(q, k, v, out, b, h, rep, p0, p1, offset, causal, scale, key_block)
+        _tile(q, k, v, out, b, h, rep, p0, p1, int(offsets[b]), causal, scale, key_block)
 
-    n = threads or _threads()
     with _one_blas_thread():
         if n == 1 or len(items) == 1:
             for item in items:
@@ -169,6 +183,55 @@ def _compiled():
                            ctypes.c_void_p, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 2]
             _kernel = fn, sgemm
     return _kernel or None
+
+
+_heads = None
+
+
+def _heads_kernel():
+    """cpu_kernels.c's attention_heads (every batch row and kv head in one call), or None
+    (where the per-item kernel is off too)."""
+    global _heads
+    if not _compiled():
+        return None
+    if _heads is None:
+        import ctypes
+
+        from . import native
+
+        fn = native.load("cpu_kernels").attention_heads
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p,
+                       *[ctypes.c_int64] * 3, ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p,
+                       *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 4]
+        _heads = fn
+    return _heads
+
+
+def _heads_in_c(q, k, v, scale, offsets, key_block):
+    """`attention` of a small problem (each kv head's rows fit one tile) on this thread, one C
+    call for every (batch row, kv head): the same steps as `_tile`'s, so the same result."""
+    B, Hq, L, D = q.shape
+    Hkv, S, dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep, rows = Hq // Hkv, L * Hq // Hkv
+    # rows position-major (row = pos * rep + head), as `_tile` orders them
+    qb = np.ascontiguousarray((q.reshape(B, Hkv, rep, L, D) * scale).transpose(0, 1, 3, 2, 4))
+    k, v = _unit_stride_heads(k), _unit_stride_heads(v)
+    out = np.empty((B, Hkv, rows, dv), dtype=np.float32)
+    m, s = np.empty((B, Hkv, rows), dtype=np.float32), np.empty((B, Hkv, rows), dtype=np.float32)
+    tile = np.empty((rows, key_block), dtype=np.float32)
+    first = None if offsets is None else np.ascontiguousarray(offsets, dtype=np.int64)
+    _heads_kernel()(_compiled()[1], qb.ctypes.data, B, Hkv, rows, D, k.ctypes.data, k.strides[0] // 4,
+                    k.strides[1] // 4, k.strides[2] // 4, v.ctypes.data, v.strides[0] // 4, v.strides[1] // 4,
+                    v.strides[2] // 4, dv, S, None if first is None else first.ctypes.data, rep, key_block,
+                    tile.ctypes.data, m.ctypes.data, s.ctypes.data, out.ctypes.data)
+    return out.reshape(B, Hkv, L, rep, dv).transpose(0, 1, 3, 2, 4).reshape(B, Hq, L, dv)
+
+
+def _unit_stride_heads(x: np.ndarray) -> np.ndarray:
+    """x (B, heads, rows, cols) with its columns adjacent and every stride a whole float32."""
+    ok = x.strides[-1] == x.itemsize and all(st % x.itemsize == 0 and st >= 0 for st in x.strides)
+    return x if ok else np.ascontiguousarray(x)
 
 
 def _numpy_sgemm64() -> int | None:
@@ -249,9 +312,14 @@ class _NumpySoftmax:
 
 _state = threading.local()
 _original = None
-# Route only chunks wider than the verify passes `--max-draft auto` makes (MAX_WIDTH): decode
-# and verify stay on MLX's kernel, as in plain decoding; prefill chunks are what is slow.
+# Prefill chunks: those wider than the verify passes `--max-draft auto` makes (MAX_WIDTH).
 MIN_QUERIES = MAX_WIDTH + 1
+# Decode and verify forwards on the engine thread: those of at least this many tokens (rows x
+# width). Each routed call waits for the layer's graph so far (a sync); in a narrower forward two
+# syncs a layer cost more than MLX's exp saves. Bundled model, 300 tokens of context, MLX ->
+# routed: 1 token 9.7 -> 12.0 ms, 4 tokens 22.5 -> 21.9, 8 tokens 25.1 -> 22.6, one row of 17
+# 33.0 -> 26.9, 4 rows of 2 27.6 -> 26.9, 4 rows of 17 85.7 -> 50.7.
+MIN_TOKENS = 8
 _min_keys: int | None = None  # the measured crossover in keys (cached prefix + chunk); None: off
 
 
@@ -287,6 +355,25 @@ def last_call_unread(calls: int | None):
         _state.unread, _state.prefill = old
 
 
+@contextlib.contextmanager
+def engine_thread():
+    """This thread is the engine's (engine/engine.py holds it for its life): its decode and
+    verify forwards may take this path too, and cpu_swiglu's kernel. Everything the engine
+    decodes runs here, alone or batched, and so does a reference it is compared with
+    (`Engine.call`): a forward of the same size computes the same way in both. Off it
+    (training, a script's own forward under autodiff) MLX computes as usual."""
+    old = getattr(_state, "engine", False)
+    _state.engine = True
+    try:
+        yield
+    finally:
+        _state.engine = old
+
+
+def on_engine_thread() -> bool:
+    return getattr(_state, "engine", False)
+
+
 def in_prefill() -> bool:
     """Whether this thread is inside a prefill chunk's forward (`last_call_unread`): the only
     place eager helpers such as cpu_swiglu may run (never under autodiff or mx.compile)."""
@@ -302,19 +389,39 @@ def in_unread_tail() -> bool:
 
 def handles(queries, keys, mask, sinks) -> bool:
     """Whether this path should take these arguments: it computes them exactly (up to
-    float32 rounding) and the chunk is above the crossover."""
+    float32 rounding) and pays: a prefill chunk above the crossover, or on the engine thread a
+    decode or verify forward of MIN_TOKENS tokens or more."""
     import mlx.core as mx
 
     if _min_keys is None or getattr(_state, "off", False) or sinks is not None:
         return False
-    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
-        return False  # array masks: sliding windows, padding, anything else
     if queries.ndim != 4 or keys.ndim != 4 or queries.dtype != mx.float32 or keys.dtype != mx.float32:
         return False
-    if mx.default_device() != mx.cpu:
+    if mx.default_device() != mx.cpu or queries.shape[1] % keys.shape[1]:
         return False
     L, S = queries.shape[2], keys.shape[2]
-    return L >= MIN_QUERIES and S >= _min_keys and queries.shape[1] % keys.shape[1] == 0
+    plain = mask is None or (isinstance(mask, str) and mask == "causal")
+    if L >= MIN_QUERIES:  # a prefill chunk
+        return plain and S >= _min_keys
+    # a decode or verify forward; an array mask is taken where it is causal per row (`row_offsets`)
+    wide = queries.shape[0] * L >= MIN_TOKENS
+    return on_engine_thread() and wide and (plain or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
+
+
+def row_offsets(mask: np.ndarray, B: int, L: int, S: int) -> np.ndarray | None:
+    """Per batch row, the position of its first query, where the boolean `mask` (broadcast to
+    (B, 1, L, S)) lets query i of row b see exactly keys 0..offset_b + i; else None (a window,
+    padding, a mask that differs by head)."""
+    if mask.ndim not in (2, 4) or mask.shape[-2:] != (L, S):
+        return None
+    if mask.ndim == 4 and (mask.shape[0] not in (1, B) or mask.shape[1] != 1):
+        return None
+    m = np.broadcast_to(mask[:, 0] if mask.ndim == 4 else mask, (B, L, S))
+    offsets = m[:, 0, :].sum(axis=1) - 1
+    if (offsets < 0).any() or (offsets + L > S).any():
+        return None
+    causal = np.arange(S)[None, None, :] <= (offsets[:, None, None] + np.arange(L)[None, :, None])
+    return offsets if np.array_equal(m, causal) else None
 
 
 def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **kwargs):
@@ -327,11 +434,16 @@ def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **k
     import mlx.core as mx
 
     try:
-        mx.eval(queries, keys, values)  # numpy needs values: this layer's graph runs here
+        mx.eval(queries, keys, values, *([mask] if isinstance(mask, mx.array) else []))  # numpy needs values
         q, k, v = np.asarray(queries), np.asarray(keys), np.asarray(values)  # no copies
     except Exception:  # a traced graph (mx.compile) has no values yet: MLX's kernel
         return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    return mx.array(attention(q, k, v, scale, causal=mask is not None))
+    offsets = None
+    if isinstance(mask, mx.array):
+        offsets = row_offsets(np.asarray(mask), q.shape[0], q.shape[2], k.shape[2])
+        if offsets is None:
+            return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return mx.array(attention(q, k, v, scale, causal=mask is not None, offsets=offsets))
 
 
 def install(min_keys: int | None) -> None:

@@ -144,3 +144,31 @@ void attention_rows(sgemm64_fn sgemm, const float *q, int64_t rows, int64_t d, c
         sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, dv, n, 1.0f, tile, key_block, v + k0 * ldv, ldv, 1.0f, acc, dv);
     }
 }
+
+/* Every (batch row, kv head) of a small attention in one call (a decode or verify forward: the
+   per-item calls from Python cost more than the work). q: (B, Hkv, rows, d), each head's rows
+   position-major over `rep` query heads and scaled; k, v: row b, head h at k + b * kb + h * kh
+   (rows of stride ldk / ldv). first_pos: per batch row, the position of its first query under the
+   causal mask, or NULL for none. out: (B, Hkv, rows, dv), softmax(q k^T) v; m and l: (B, Hkv,
+   rows) scratch; tile: rows x key_block scratch. */
+void attention_heads(sgemm64_fn sgemm, const float *q, int64_t B, int64_t hkv, int64_t rows, int64_t d,
+                     const float *k, int64_t kb, int64_t kh, int64_t ldk, const float *v, int64_t vb, int64_t vh,
+                     int64_t ldv, int64_t dv, int64_t keys, const int64_t *first_pos, int64_t rep,
+                     int64_t key_block, float *tile, float *m, float *l, float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < hkv; h++) {
+            int64_t item = b * hkv + h;
+            float *mi = m + item * rows, *li = l + item * rows, *acc = out + item * rows * dv;
+            for (int64_t r = 0; r < rows; r++) {
+                mi[r] = -INFINITY;
+                li[r] = 0.0f;
+            }
+            memset(acc, 0, rows * dv * sizeof(float));
+            int64_t last_key = first_pos ? first_pos[b] + rows / rep : keys;
+            attention_rows(sgemm, q + item * rows * d, rows, d, k + b * kb + h * kh, ldk, v + b * vb + h * vh, ldv,
+                           dv, last_key, key_block, tile, mi, li, acc, first_pos ? first_pos[b] : -1, rep);
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < dv; j++) acc[r * dv + j] /= li[r]; /* as the Python caller's acc /= l */
+        }
+    }
+}

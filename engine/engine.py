@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from . import cpu_attention
 from .batch_cache import BatchCache, joinable
 from .batch_cost import quick_surface, surface_for
 from .batch_verify import Forward, run_forwards
@@ -470,7 +471,8 @@ class Engine:
             loaded.set_exception(e)
             return
         loaded.set_result(True)
-        self._schedule()
+        with cpu_attention.engine_thread():  # its forwards may use the CPU kernels (engine/cpu_attention.py)
+            self._schedule()
         self.target = None
         self._stopped.set()
         # Park instead of returning: an MLX worker thread that exits after loading a

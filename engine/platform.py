@@ -4,6 +4,13 @@ On Linux the `mlx-cpu` wheel links the reference (netlib) BLAS, about 30x slower
 than OpenBLAS on the matmuls a forward pass is made of. Preloading Debian's
 OpenBLAS before MLX is imported swaps it in; `ensure_fast_blas` does that by
 re-executing the current command once with LD_PRELOAD set.
+
+OpenBLAS picks its kernels by CPU model when it loads. A release older than the CPU doesn't
+know the model and falls back to its oldest x86-64 kernels: Debian 12's 0.3.21 on a Xeon
+of model 207 runs "Prescott" (SSE3) kernels, 3-4x slower on a verify forward's matmuls
+than its AVX-512 ones. Where the CPU has AVX-512 (or AVX2) and the kernels chosen don't
+use it, the re-exec also sets OPENBLAS_CORETYPE to the kernels that do (`better_core`); a
+user's own OPENBLAS_CORETYPE is left alone.
 """
 
 from __future__ import annotations
@@ -19,7 +26,11 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 _REEXEC_GUARD = "MLX_DSPARK_BLAS_REEXEC"  # set in the re-executed process: the caller's LD_PRELOAD
+_CORE_GUARD = "MLX_DSPARK_BLAS_CORETYPE"  # set in the re-executed process where we set OPENBLAS_CORETYPE
 _UNSET = "-"
+# OpenBLAS core names (lower case) whose sgemm kernels use AVX-512, and those that use AVX2 at least
+AVX512_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
+AVX2_CORES = AVX512_CORES | {"haswell", "zen"}
 
 
 def find_openblas() -> str | None:
@@ -29,26 +40,83 @@ def find_openblas() -> str | None:
     return None
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo), or an empty set."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def openblas_core(lib) -> str | None:
+    """The kernels a loaded OpenBLAS (a ctypes library) chose ("Haswell", "SkylakeX", ...), or None."""
+    import ctypes
+
+    try:
+        corename = lib.openblas_get_corename
+    except AttributeError:
+        return None
+    corename.restype = ctypes.c_char_p
+    name = corename()
+    return name.decode() if name else None
+
+
+def better_core(core: str | None, flags: set[str]) -> str | None:
+    """The OpenBLAS kernels to ask for (OPENBLAS_CORETYPE) when `core`, the ones it chose,
+    leave out vector units the CPU has (`flags`); None when its choice is right."""
+    if not core:
+        return None
+    if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags and core.lower() not in AVX512_CORES:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags and core.lower() not in AVX2_CORES:
+        return "Haswell"
+    return None
+
+
+def _core_to_ask(lib_path: str | None) -> str | None:
+    """OPENBLAS_CORETYPE for the re-executed process, or None (the user set one, or OpenBLAS's
+    own choice is right). `lib_path` None: the OpenBLAS already preloaded in this process."""
+    import ctypes
+
+    if sys.platform != "linux" or "OPENBLAS_CORETYPE" in os.environ:
+        return None
+    try:
+        lib = ctypes.CDLL(lib_path)  # None: the global scope, where the preloaded library is
+    except OSError:
+        return None
+    return better_core(openblas_core(lib), cpu_flags())
+
+
 def ensure_fast_blas(argv: list[str] | None = None) -> None:
-    """Re-exec this process with OpenBLAS preloaded, where that helps and is possible.
+    """Re-exec this process with OpenBLAS preloaded (and its fastest kernels asked for, where it
+    doesn't choose them itself), where that helps and is possible.
 
     Call it before anything imports mlx. A no-op on macOS, when OpenBLAS is absent,
-    already preloaded, or when MLX_DSPARK_NO_REEXEC is set.
+    already preloaded with the right kernels, or when MLX_DSPARK_NO_REEXEC is set.
     """
     if _REEXEC_GUARD in os.environ:  # we are the re-executed process: OpenBLAS is mapped now
         restore_caller_env()
         return
     if sys.platform != "linux" or os.environ.get("MLX_DSPARK_NO_REEXEC"):
         return
-    if "openblas" in os.environ.get("LD_PRELOAD", ""):
+    preloaded = "openblas" in os.environ.get("LD_PRELOAD", "")
+    lib = None if preloaded else find_openblas()
+    if not preloaded and lib is None:
         return
-    lib = find_openblas()
-    if lib is None:
+    core = _core_to_ask(lib)
+    if preloaded and core is None:
         return
     env = dict(os.environ)
     # the caller's LD_PRELOAD ("-" when unset) rides along so the new process can put it back
     env[_REEXEC_GUARD] = env.get("LD_PRELOAD", _UNSET)
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    if lib:
+        env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    if core:
+        env["OPENBLAS_CORETYPE"], env[_CORE_GUARD] = core, core
     argv = argv if argv is not None else sys.argv
     try:
         os.execve(sys.executable, [sys.executable, *argv], env)
@@ -60,6 +128,8 @@ def restore_caller_env() -> None:
     """Put LD_PRELOAD back as the caller had it. The loader needed it only at exec time; left
     set, it would reach every program we start (Claude Code, its shell commands, hooks, MCP
     servers: Node.js under it fails with `pthread_create: Invalid argument`)."""
+    if os.environ.pop(_CORE_GUARD, None):  # ours, read by OpenBLAS as it loaded: children don't need it
+        os.environ.pop("OPENBLAS_CORETYPE", None)
     before = os.environ.pop(_REEXEC_GUARD, _UNSET)
     if before == _UNSET:
         os.environ.pop("LD_PRELOAD", None)
@@ -120,10 +190,22 @@ def blas_name(path: str | None) -> str:
 
 
 def loaded_blas() -> str:
-    """The BLAS MLX's matmuls run on: 'OpenBLAS (file)', 'reference BLAS (file)', ..."""
+    """The BLAS MLX's matmuls run on: 'OpenBLAS (file, SkylakeX kernels)', 'reference BLAS
+    (file)', ... (OpenBLAS's kernels change its speed 3-4x: the cost curves are keyed on them)."""
+    import ctypes
+
     if sys.platform == "darwin":
         return "Accelerate"
-    return blas_name(mlx_blas_path())
+    path = mlx_blas_path()
+    name = blas_name(path)
+    if name.startswith("OpenBLAS"):
+        try:
+            core = openblas_core(ctypes.CDLL(path))
+        except OSError:
+            core = None
+        if core:
+            name = f"{name[:-1]}, {core} kernels)"
+    return name
 
 
 def slow_blas_warning() -> str | None:

@@ -89,3 +89,51 @@ def test_a_cached_curve_that_no_longer_holds_is_remeasured(cache_home, tiny_mode
     curve = curve_for_requests(target)
     assert curve.measured and curve.step_seconds(1, 64) < 1.0
     assert json.loads(next(cache_home.glob("cost-curve-*.json")).read_text())["seconds"] != stale.seconds
+
+
+def test_better_core_asks_for_the_vector_units_the_cpu_has():
+    from engine.platform import better_core
+
+    avx512 = {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"}
+    assert better_core("Prescott", avx512) == "SkylakeX"  # a CPU newer than the OpenBLAS release
+    assert better_core("Haswell", avx512) == "SkylakeX"
+    assert better_core("Prescott", {"avx2", "fma"}) == "Haswell"
+    for core, flags in (("SkylakeX", avx512), ("Cooperlake", avx512), ("Zen", {"avx2", "fma"}),
+                        ("Prescott", {"sse3"}), (None, avx512)):
+        assert better_core(core, flags) is None
+
+
+@linux
+@pytest.mark.skipif(find_openblas() is None, reason="needs OpenBLAS installed")
+def test_the_reexec_asks_for_kernels_the_cpu_runs_and_children_do_not_inherit_it(tmp_path):
+    """Where OpenBLAS picks kernels older than the CPU (it doesn't know the model), the CLI's
+    re-exec sets OPENBLAS_CORETYPE, preloaded by us or by the caller; a user's own is kept."""
+    from engine.platform import better_core, cpu_flags
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import json, os, subprocess, sys\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "from engine.platform import ensure_fast_blas, loaded_blas\n"
+        "ensure_fast_blas()\n"
+        "import mlx.core\n"
+        "child = subprocess.run(['sh', '-c', 'echo \"$OPENBLAS_CORETYPE\"'], capture_output=True, text=True)\n"
+        "print(json.dumps([loaded_blas(), child.stdout.strip()]))\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_DSPARK_NO_REEXEC", "OPENBLAS_CORETYPE")}
+
+    def run(**env):
+        out = subprocess.run([sys.executable, str(script)], env={**base, **env}, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    own = subprocess.run([sys.executable, "-c", "import ctypes, sys; sys.path.insert(0, sys.argv[1]); "
+                          "from engine.platform import openblas_core; print(openblas_core(ctypes.CDLL(sys.argv[2])))",
+                          REPO, find_openblas()], env=base, capture_output=True, text=True, timeout=60).stdout.strip()
+    want = better_core(own, cpu_flags())
+    for env in ({}, {"LD_PRELOAD": find_openblas()}):
+        blas, child = run(**env)
+        assert blas.startswith("OpenBLAS") and f"{want or own} kernels" in blas
+        assert child == ""
+    blas, child = run(OPENBLAS_CORETYPE="Prescott")
+    assert "Prescott kernels" in blas and child == "Prescott"

@@ -243,3 +243,76 @@ def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed)
     routed.clear()
     mx.eval(target.forward(ids[:100], target.make_cache()))  # a forward whose outputs are read
     assert len(routed) == layers
+
+
+def batch_mask(starts, L, S, window=None):
+    """A batched verify forward's mask (engine/batch_cache.py): row b's query i sees keys
+    0..starts[b] + i (within `window` of it)."""
+    key = np.arange(S)[None, None, None, :]
+    query = np.asarray(starts)[:, None, None, None] + np.arange(L)[None, None, :, None]
+    mask = key <= query
+    return mask if window is None else mask & (key > query - window)
+
+
+def test_row_offsets_reads_a_causal_mask_per_row_and_nothing_else():
+    starts = [10, 3, 0, 12]
+    assert cpu_attention.row_offsets(batch_mask(starts, 5, 17), 4, 5, 17).tolist() == starts
+    assert cpu_attention.row_offsets(batch_mask([12], 5, 17), 4, 5, 17).tolist() == [12] * 4  # broadcast
+    assert cpu_attention.row_offsets(np.tril(np.ones((5, 17), bool), k=12), 2, 5, 17).tolist() == [12, 12]
+    assert cpu_attention.row_offsets(batch_mask(starts, 5, 17, window=4), 4, 5, 17) is None  # a window
+    padded = batch_mask(starts, 5, 17)
+    padded[1, 0, :, 0] = False  # left padding
+    assert cpu_attention.row_offsets(padded, 4, 5, 17) is None
+    by_head = np.repeat(batch_mask(starts, 5, 17), 2, axis=1)
+    assert cpu_attention.row_offsets(by_head, 4, 5, 17) is None
+
+
+def test_verify_forwards_take_this_path_on_the_engine_thread_only(routed):
+    """Decode and verify forwards of MIN_TOKENS tokens or more (no mask, "causal", a batched
+    forward's mask causal per row) go through the kernel on the engine's thread, equal to MLX's
+    to float32 rounding; off it, narrower ones, and other masks: MLX's kernel."""
+    rng = np.random.default_rng(1)
+    starts = [40, 33, 20, 47]
+    q = rng.standard_normal((4, 6, 17, 16), dtype=np.float32)
+    k = rng.standard_normal((4, 2, 64, 16), dtype=np.float32) * 3
+    v = rng.standard_normal((4, 2, 64, 16), dtype=np.float32)
+    cases = [(q, k, v, mx.array(batch_mask(starts, 17, 64))), (q[:1], k[:1], v[:1], "causal"),
+             (q[:1, :, :8], k[:1], v[:1], None), (q[:, :, :2], k, v, mx.array(batch_mask(starts, 2, 64)))]
+    for a, b, c, mask in cases:
+        mx.eval(mx.fast.scaled_dot_product_attention(mx.array(a), mx.array(b), mx.array(c), scale=0.25, mask=mask))
+    assert routed == []  # off the engine thread
+    with cpu_attention.engine_thread():
+        for a, b, c, mask in cases:
+            out = mx.fast.scaled_dot_product_attention(mx.array(a), mx.array(b), mx.array(c), scale=0.25, mask=mask)
+            np.testing.assert_allclose(np.array(out), mlx_sdpa(a, b, c, 0.25, mask), rtol=1e-5, atol=2e-6)
+        assert len(routed) == 4
+        for width in (1, cpu_attention.MIN_TOKENS - 1):  # a decode step, a short draft: MLX's (no sync)
+            mx.eval(mx.fast.scaled_dot_product_attention(mx.array(q[:1, :, :width]), mx.array(k[:1]),
+                                                         mx.array(v[:1]), scale=0.25, mask="causal"))
+        assert len(routed) == 4
+        window = mx.array(batch_mask(starts, 17, 64, window=8))
+        out = mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=0.25, mask=window)
+        np.testing.assert_allclose(np.array(out), mlx_sdpa(q, k, v, 0.25, window), rtol=1e-5, atol=2e-6)
+    assert len(routed) == 4  # the window went to MLX's kernel
+
+
+def test_a_row_of_a_batched_forward_equals_it_alone():
+    """Per row, the compiled kernel's work is the same in a batch (more keys, masked, and padded
+    queries) as alone: bitwise equal. (numpy's passes are not: its sums' pairwise blocking
+    follows the row's length.)"""
+    if cpu_attention._compiled() is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(2)
+    starts, L, S = [30, 11, 50], 9, 59
+    q = rng.standard_normal((3, 4, L, 16), dtype=np.float32)
+    k = rng.standard_normal((3, 2, S, 16), dtype=np.float32)
+    v = rng.standard_normal((3, 2, S, 16), dtype=np.float32)
+    together = cpu_attention.attention(q, k, v, 0.25, causal=True, offsets=np.array(starts))
+    # one C call for every row and head (small, one thread) or a work item each: the same steps
+    assert np.array_equal(together, cpu_attention.attention(q, k, v, 0.25, causal=True, offsets=np.array(starts),
+                                                            threads=2))
+    for b, start in enumerate(starts):
+        for width in (L, 3):
+            alone = cpu_attention.attention(q[b : b + 1, :, :width], k[b : b + 1, :, : start + width],
+                                            v[b : b + 1, :, : start + width], 0.25, causal=True)
+            assert np.array_equal(alone[0], together[b, :, :width])

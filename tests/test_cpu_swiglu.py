@@ -1,5 +1,6 @@
-"""SwiGLU in the compiled kernel: equal to mlx-lm's to float32 rounding, routed only for prefill
-chunks in float32 on the CPU, installed for a loaded qwen3 (a tiny random model)."""
+"""SwiGLU in the compiled kernel: equal to mlx-lm's to float32 rounding, routed only for the
+engine's forwards (prefill chunks, anything on its thread) in float32 on the CPU, installed for a
+loaded qwen3 (a tiny random model)."""
 
 from __future__ import annotations
 
@@ -56,5 +57,27 @@ def test_routing_takes_only_prefill_chunks(tiny_model_dir):
                 mx.eval(module.swiglu(g, x))
             mx.eval(mx.compile(module.swiglu)(g, x))  # a traced graph
         assert calls == [(1, 80, 32)]
+    finally:
+        cpu_swiglu.swiglu = real
+
+
+def test_routing_takes_every_forward_on_the_engine_thread(tiny_model_dir):
+    target = load_target(tiny_model_dir)
+    module = importlib.import_module(type(target.model).__module__)
+    calls = []
+    real = cpu_swiglu.swiglu
+    cpu_swiglu.swiglu = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+    try:
+        rng = np.random.default_rng(0)
+        g, x = (mx.array(rng.standard_normal((4, 17, 32), dtype=np.float32)) for _ in range(2))
+        ref = np.array(activations.swiglu(g, x))
+        with cpu_attention.engine_thread():  # a batched verify forward, one row's
+            np.testing.assert_allclose(np.array(module.swiglu(g, x)), ref, rtol=2e-6, atol=1e-6)
+            mx.eval(module.swiglu(g[:1, :8], x[:1, :8]))
+            mx.eval(module.swiglu(g[:1, :1], x[:1, :1]))  # a decode step (fewer than MIN_TOKENS): MLX's
+            mx.eval(module.swiglu(g.astype(mx.bfloat16), x.astype(mx.bfloat16)))  # another dtype: MLX's
+        assert calls == [(4, 17, 32), (1, 8, 32)]
+        mx.eval(module.swiglu(g, x))  # off the engine thread: MLX's
+        assert calls == [(4, 17, 32), (1, 8, 32)]
     finally:
         cpu_swiglu.swiglu = real
