@@ -26,7 +26,7 @@ Why this layout, of those considered:
   end. Both are small against one forward's weights.
 Measured on a 2-core CPU (bundled 12.6M model, one verify step of 4 sequences against the 4
 alone): 2.5-2.7x at 256 tokens of context (merge and split each round: 2.1-2.3x), 1.6-1.8x at 2k
-(1.1-1.2x), 1.7x at 8k with 2-token drafts (0.7x); the slice updates' time does not grow with
+(1.1-1.2x), 1.7x at 8k with 2-token drafts (0.7x); the key writes' time does not grow with
 the buffer (they run in place).
 
 Join (`join`: the sequence's KV copied in once), leave (`leave`: copied out once into a
