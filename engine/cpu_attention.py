@@ -330,14 +330,19 @@ def set_crossover(min_keys: int | None) -> None:
 
 
 @contextlib.contextmanager
-def disabled():
-    """MLX's own kernel inside this block (on this thread): references, measurements."""
-    old = getattr(_state, "off", False)
-    _state.off = True
+def _thread_flag(name: str):
+    """`name` set on this thread inside the block, as it was after."""
+    old = getattr(_state, name, False)
+    setattr(_state, name, True)
     try:
         yield
     finally:
-        _state.off = old
+        setattr(_state, name, old)
+
+
+def disabled():
+    """MLX's own kernel inside this block (on this thread): references, measurements."""
+    return _thread_flag("off")
 
 
 @contextlib.contextmanager
@@ -355,19 +360,13 @@ def last_call_unread(calls: int | None):
         _state.unread, _state.prefill = old
 
 
-@contextlib.contextmanager
 def engine_thread():
     """This thread is the engine's (engine/engine.py holds it for its life): its decode and
     verify forwards may take this path too, and cpu_swiglu's kernel. Everything the engine
     decodes runs here, alone or batched, and so does a reference it is compared with
     (`Engine.call`): a forward of the same size computes the same way in both. Off it
     (training, a script's own forward under autodiff) MLX computes as usual."""
-    old = getattr(_state, "engine", False)
-    _state.engine = True
-    try:
-        yield
-    finally:
-        _state.engine = old
+    return _thread_flag("engine")
 
 
 def on_engine_thread() -> bool:
