@@ -67,12 +67,12 @@ def handles(gate, x) -> bool:
 
     if getattr(cpu_attention._state, "off", False) or cpu_attention.in_unread_tail():
         return False  # off; or in a layer whose output nothing reads: MLX's lazy graph skips it
-    prefill_chunk = cpu_attention.in_prefill() and gate.ndim >= 2 and gate.shape[-2] >= cpu_attention.MIN_QUERIES
-    wide = gate.ndim >= 2 and gate.size // gate.shape[-1] >= cpu_attention.MIN_TOKENS  # as the attention's
-    if not (prefill_chunk or (cpu_attention.on_engine_thread() and wide)):
-        return False  # a numpy result carries no gradient: only the engine's forwards
     if gate.shape != x.shape or gate.ndim < 2 or gate.dtype != mx.float32 or x.dtype != mx.float32:
         return False
+    prefill_chunk = cpu_attention.in_prefill() and gate.shape[-2] >= cpu_attention.MIN_QUERIES
+    wide = gate.size // gate.shape[-1] >= cpu_attention.MIN_TOKENS  # as the attention's
+    if not (prefill_chunk or (cpu_attention.on_engine_thread() and wide)):
+        return False  # a numpy result carries no gradient: only the engine's forwards
     return mx.default_device() == mx.cpu and _swiglu_kernel() is not None
 
 
