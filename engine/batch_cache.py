@@ -40,6 +40,8 @@ where nothing reads it): cheaper than gathering the others' rows.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
@@ -184,25 +186,62 @@ class BatchCache:
         for slot, f in zip(slots, forwards):
             tokens[slot, : len(f.tokens)] = f.tokens
         starts = self.lengths[:n].copy()
-        layers = [_BatchLayer(self, i, starts[:, i]) for i in range(len(self.keys))]
+        positions: dict[bytes, _RowPositions] = {}  # layers whose rows start alike share one (all, as a rule)
+        layers = [_BatchLayer(self, i, positions.setdefault(starts[:, i].tobytes(), _RowPositions(starts[:, i])))
+                  for i in range(len(self.keys))]
         x = mx.array(tokens)
         taps = forwards[0].taps
         if taps:
             logits, hidden = target.forward_tapped(x, layers, taps)
         else:
             logits, hidden = target.model(x, cache=layers), None
+        picks = _GreedyPicks(logits)
         for slot, f in zip(slots, forwards):
             w = len(f.tokens)
             self.lengths[slot] = starts[slot] + w  # the padding past w stays out (nothing reads past a length)
             f.result = (logits[slot, :w], None if hidden is None else hidden[slot, :w])
+            f.picks = functools.partial(picks.row, slot, w)
+
+
+class _GreedyPicks:
+    """A batched forward's argmax per row and position, read once for every row: one wait for
+    the device a round, not one a row (each a kernel launch and a sync on a GPU)."""
+
+    def __init__(self, logits: mx.array):
+        self.logits, self.rows = logits, None
+
+    def row(self, slot: int, width: int) -> list[int]:
+        if self.rows is None:
+            self.rows = mx.argmax(self.logits, axis=-1).tolist()
+        return self.rows[slot][:width]
+
+
+class _RowPositions:
+    """Where each row of a batched forward starts (one per distinct start vector, shared by the
+    layers: their RoPE offsets and key-write indices are built once a forward, not once a layer)."""
+
+    def __init__(self, starts: np.ndarray):
+        self.starts = starts
+        self.offset = mx.array(starts.astype(np.int32))  # per-row RoPE positions
+        self._writes: dict[tuple[int, int], tuple] = {}
+
+    def writes(self, heads: int, width: int) -> tuple:
+        """Scatter indices (row, head, position) of every row's `width` new keys at its own start."""
+        at = self._writes.get((heads, width))
+        if at is None:
+            n = len(self.starts)
+            at = self._writes[heads, width] = (
+                mx.arange(n)[:, None, None], mx.arange(heads)[None, :, None],
+                (self.offset[:, None] + mx.arange(width)[None, :])[:, None, :])
+        return at
 
 
 class _BatchLayer:
-    """One layer's cache for a batched forward over rows 0..n-1 starting at `starts`."""
+    """One layer's cache for a batched forward over rows 0..n-1 starting at `rows.starts`."""
 
-    def __init__(self, store: BatchCache, layer: int, starts: np.ndarray):
-        self.store, self.layer, self.starts = store, layer, starts
-        self.offset = mx.array(starts.astype(np.int32))  # per-row RoPE positions
+    def __init__(self, store: BatchCache, layer: int, rows: _RowPositions):
+        self.store, self.layer, self.rows = store, layer, rows
+        self.starts, self.offset = rows.starts, rows.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Every row's new keys written at its own length by one scatter per buffer. A slice
@@ -213,8 +252,7 @@ class _BatchLayer:
         s, i, (n, heads, w, _) = self.store, self.layer, keys.shape
         end = int(self.starts.max()) + w
         s._ensure(i, end)
-        at = (mx.arange(n)[:, None, None], mx.arange(heads)[None, :, None],
-              (self.offset[:, None] + mx.arange(w)[None, :])[:, None, :])  # (row, head, position)
+        at = self.rows.writes(heads, w)
         s.keys[i][at] = keys
         s.values[i][at] = values
         return s.keys[i][:n, :, :end, :], s.values[i][:n, :, :end, :]
@@ -223,7 +261,7 @@ class _BatchLayer:
         """(rows, 1, N, keys): row b's query i (at position start_b + i) sees keys 0..start_b + i
         (within `window_size` of it, where the model has a window)."""
         key_pos = mx.arange(int(self.starts.max()) + N)[None, None, None, :]
-        query_pos = mx.array(self.starts.astype(np.int32))[:, None, None, None] + mx.arange(N)[None, None, :, None]
+        query_pos = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
         mask = key_pos <= query_pos
         return mask if window_size is None else mask & (key_pos > query_pos - window_size)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from .batch_cache import BatchCache, RowCache
 from .batch_cost import BatchSurface
@@ -34,6 +35,7 @@ class Forward:
     result: tuple | None = None  # (logits (n, vocab), hidden (n, taps*hidden) or None)
     capture: bool = False  # keep recurrent states per position (engine/state_capture.py)
     captured: object = None  # the state_capture.Capture, where the pass could be captured
+    picks: Callable[[], list[int]] | None = None  # the greedy picks per position, where a batch reads them for all rows
 
     def run(self, target: Target) -> None:
         with recording(self.capture) as tape:

@@ -29,6 +29,7 @@ compiled, a forward off the engine thread) goes to MLX's own kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+@functools.cache
 def _threads() -> int:
     return max(1, os.cpu_count() or 1)
 
@@ -439,7 +441,14 @@ def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **k
         return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     offsets = None
     if isinstance(mask, mx.array):
-        offsets = row_offsets(np.asarray(mask), q.shape[0], q.shape[2], k.shape[2])
+        # every layer of a forward gets the same mask object: read it once, not once a layer
+        shape = (q.shape[0], q.shape[2], k.shape[2])
+        seen = getattr(_state, "mask_read", None)
+        if seen is not None and seen[0] is mask and seen[1] == shape:
+            offsets = seen[2]
+        else:
+            offsets = row_offsets(np.asarray(mask), *shape)
+            _state.mask_read = (mask, shape, offsets)
         if offsets is None:
             return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return mx.array(attention(q, k, v, scale, causal=mask is not None, offsets=offsets))

@@ -15,6 +15,7 @@ user's own OPENBLAS_CORETYPE is left alone.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -189,9 +190,12 @@ def blas_name(path: str | None) -> str:
     return f"reference BLAS ({base})"
 
 
+@functools.cache
 def loaded_blas() -> str:
     """The BLAS MLX's matmuls run on: 'OpenBLAS (file, SkylakeX kernels)', 'reference BLAS
-    (file)', ... (OpenBLAS's kernels change its speed 3-4x: the cost curves are keyed on them)."""
+    (file)', ... (OpenBLAS's kernels change its speed 3-4x: the cost curves are keyed on them).
+    Looked up once: the library and its kernels are fixed once loaded, and every request's
+    cost-curve key asks (the lookup runs `ldconfig`)."""
     import ctypes
 
     if sys.platform == "darwin":

@@ -93,9 +93,11 @@ def accept_speculative(
     return k, int(rng.choice(p.shape[1], p=p[k]))
 
 
-def accept_greedy(logits: mx.array, draft: list[int]) -> tuple[int, int]:
-    """Longest prefix of the draft equal to the target's argmax, and the next argmax."""
-    preds = mx.argmax(logits, axis=-1).tolist()
+def accept_greedy(logits: mx.array, draft: list[int], preds: list[int] | None = None) -> tuple[int, int]:
+    """Longest prefix of the draft equal to the target's argmax, and the next argmax (`preds`:
+    that argmax per position, where the caller has it already)."""
+    if preds is None:
+        preds = mx.argmax(logits, axis=-1).tolist()
     n = 0
     while n < len(draft) and draft[n] == preds[n]:
         n += 1

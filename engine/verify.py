@@ -134,7 +134,7 @@ def speculative_rounds(
             fwd.run(target)
         logits, hidden = fwd.result
         if sampling.greedy:
-            n, nxt = accept_greedy(logits, draft_tokens)
+            n, nxt = accept_greedy(logits, draft_tokens, fwd.picks() if fwd.picks else None)
         else:
             q = draft.q[: len(draft_tokens)] if draft is not None and draft.q is not None else None
             n, nxt = accept_speculative(target_probs(logits, sampling), draft_tokens, q, rng)

@@ -62,6 +62,7 @@ def test_ragged_rows_verify_together_roll_back_apart_and_leave(target):
             assert f.result[0].shape == ref.shape
             assert close(f.result[0], ref)
             assert mx.array_equal(mx.argmax(f.result[0], axis=-1), mx.argmax(ref, axis=-1))
+            assert f.picks() == mx.argmax(ref, axis=-1).tolist()  # read for every row at once
             take_back(f.cache, mr, len(d), k, replay=None)
             take_back(a, ma, len(d), k, replay=None)
         assert [r[0].offset for r in rows] == [a[0].offset for a in alone]
