@@ -187,8 +187,12 @@ class BatchCache:
             tokens[slot, : len(f.tokens)] = f.tokens
         starts = self.lengths[:n].copy()
         positions: dict[bytes, _RowPositions] = {}  # layers whose rows start alike share one (all, as a rule)
-        layers = [_BatchLayer(self, i, positions.setdefault(starts[:, i].tobytes(), _RowPositions(starts[:, i])))
-                  for i in range(len(self.keys))]
+        layers = []
+        for i in range(len(self.keys)):
+            key = starts[:, i].tobytes()
+            if key not in positions:
+                positions[key] = _RowPositions(starts[:, i])
+            layers.append(_BatchLayer(self, i, positions[key]))
         x = mx.array(tokens)
         taps = forwards[0].taps
         if taps:
@@ -241,7 +245,11 @@ class _BatchLayer:
 
     def __init__(self, store: BatchCache, layer: int, rows: _RowPositions):
         self.store, self.layer, self.rows = store, layer, rows
-        self.starts, self.offset = rows.starts, rows.offset
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row RoPE positions (mlx-lm's attention reads `cache.offset`)."""
+        return self.rows.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Every row's new keys written at its own length by one scatter per buffer. A slice
@@ -250,7 +258,7 @@ class _BatchLayer:
         slice updates, 2.3 ms with scatters, 1.5 ms for one row alone); on a 2-core CPU the
         scatters cost about 0.1-0.2 ms more a step, under 1% of it."""
         s, i, (n, heads, w, _) = self.store, self.layer, keys.shape
-        end = int(self.starts.max()) + w
+        end = int(self.rows.starts.max()) + w
         s._ensure(i, end)
         at = self.rows.writes(heads, w)
         s.keys[i][at] = keys
@@ -260,7 +268,7 @@ class _BatchLayer:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(rows, 1, N, keys): row b's query i (at position start_b + i) sees keys 0..start_b + i
         (within `window_size` of it, where the model has a window)."""
-        key_pos = mx.arange(int(self.starts.max()) + N)[None, None, None, :]
+        key_pos = mx.arange(int(self.rows.starts.max()) + N)[None, None, None, :]
         query_pos = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
         mask = key_pos <= query_pos
         return mask if window_size is None else mask & (key_pos > query_pos - window_size)

@@ -46,12 +46,13 @@ def grow(init: Path, out: Path, layers: int) -> dict:
     if config.get("model_type") != "qwen3":
         raise ValueError(f"grow handles qwen3 models, not {config.get('model_type')!r}")
     old = int(config["num_hidden_layers"])
+    plan = layer_plan(old, layers)
     weights: dict[str, mx.array] = {}
     for f in sorted(init.glob("*.safetensors")):
         weights.update(mx.load(str(f)))
     prefix = "model.layers."
     grown = {k: v for k, v in weights.items() if not k.startswith(prefix)}
-    for new_index, (src, is_new) in enumerate(layer_plan(old, layers)):
+    for new_index, (src, is_new) in enumerate(plan):
         for k, v in weights.items():
             if k.startswith(f"{prefix}{src}."):
                 name = k[len(f"{prefix}{src}."):]
@@ -60,7 +61,7 @@ def grow(init: Path, out: Path, layers: int) -> dict:
     if "max_window_layers" in config:
         config["max_window_layers"] = layers
     if isinstance(config.get("layer_types"), list):
-        config["layer_types"] = [config["layer_types"][src] for src, _ in layer_plan(old, layers)]
+        config["layer_types"] = [config["layer_types"][src] for src, _ in plan]
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), grown, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
