@@ -20,6 +20,7 @@ def test_layer_plan_spreads_the_new_layers_and_never_shrinks():
                                 (5, False), (5, True)]
     assert layer_plan(2, 3) == [(0, False), (1, False), (1, True)]
     assert layer_plan(4, 4) == [(i, False) for i in range(4)]
+    assert layer_plan(2, 6) == [(0, False), (0, True), (0, True), (1, False), (1, True), (1, True)]  # past doubling
     with pytest.raises(ValueError):
         layer_plan(6, 5)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,12 +32,11 @@ def layer_plan(old: int, new: int) -> list[tuple[int, bool]]:
     if new < old:
         raise ValueError(f"can't grow {old} layers to {new}")
     extra = new - old
-    after = {old - 1 - (i * old) // extra for i in range(extra)}  # 6 -> 8: after old layers 5 and 2
+    # 6 -> 8: one copy after old layers 5 and 2; past doubling, some layers get several copies
+    copies = Counter(old - 1 - (i * old) // extra for i in range(extra))
     plan = []
     for i in range(old):
-        plan.append((i, False))
-        if i in after:
-            plan.append((i, True))
+        plan += [(i, False)] + [(i, True)] * copies[i]
     return plan
 
 
