@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from agent_bridge.commands import CommandError
+
 # subcommand -> module under agent_bridge.commands
 COMMANDS = {
     "generate": "generate",
@@ -26,10 +28,6 @@ COMMANDS = {
 }
 
 
-class CommandError(Exception):
-    """A user error: printed as one line, exit status 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-dspark",
@@ -43,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.platform import ensure_fast_blas
+    from engine.base.platform import ensure_fast_blas
 
     ensure_fast_blas()
     parser = build_parser()
@@ -59,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as e:  # noqa: BLE001 - a CLI shows a line, not a traceback
-        from engine.errors import EngineError
+        from engine.base.errors import EngineError
 
         if isinstance(e, (CommandError, EngineError, OSError, ValueError)):
             print(f"mlx-dspark: error: {e}", file=sys.stderr)

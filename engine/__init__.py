@@ -8,29 +8,26 @@ The one door for the server, MCP tools and benchmark:
         ...                                    # PrefillProgress, Tokens, Done
 """
 
-from .batch_cost import BatchSurface, load_batch_surface, surface_for, tune_batch
-from .cost_curve import CostCurve, cache_dir, curve_for_requests, curve_key, load_cost_curve, tune
-from .draft_control import DraftController, best_draft_cap
-from .prefill_chunk import tune_prefill
-from .prefill_estimate import prefill_report
-from .roofline import machine_report, measure_bandwidth, roofline
-from .benchmark import CONTENTS as BENCH_CONTENTS
-from .benchmark import Content as BenchContent
-from .benchmark import build_content as build_bench_content
-from .benchmark import format_table as format_bench_table
-from .benchmark import run_benchmark, run_nonce
-from .drafter import Draft, Drafter
-from .engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
-from .errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
-from .events import Done, PrefillProgress, Stats, Tokens
-from . import cpu_attention
-from .lookup import LookupDrafter
-from .model_catalog import ModelInfo, find_models, model_locations, pairing_problems, weights_missing
-from .models import REFERENCE_MODEL_DIR, default_model_path, local_models
-from .modes import available_modes
-from .platform import describe_platform, ensure_fast_blas, loaded_blas, slow_blas_warning
-from .sampling import SamplingParams
-from .target import Target, load_target
+from engine.base.bundled import REFERENCE_MODEL_DIR, default_model_path
+from engine.base.errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.base.events import Done, PrefillProgress, Stats, Tokens
+from engine.base.files import cache_dir
+from engine.base.platform import describe_platform, ensure_fast_blas, loaded_blas, slow_blas_warning
+from engine.base.sampling import SamplingParams
+from engine.bench.benchmark import CONTENTS as BENCH_CONTENTS, Content as BenchContent, build_content as build_bench_content, format_table as format_bench_table, run_benchmark, run_nonce
+from engine.catalog.model_catalog import ModelInfo, find_models, local_models, model_locations, pairing_problems, weights_missing
+from engine.drafting.drafter import Draft, Drafter
+from engine.drafting.lookup import LookupDrafter
+from engine.drafting.modes import available_modes
+from engine.engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
+from engine.kernels import cpu_attention
+from engine.model.target import Target, load_target
+from engine.tuning.batch_cost import BatchSurface, load_batch_surface, surface_for, tune_batch
+from engine.tuning.cost_curve import CostCurve, curve_for_requests, curve_key, load_cost_curve, tune
+from engine.tuning.draft_control import DraftController, best_draft_cap
+from engine.tuning.prefill_chunk import tune_prefill
+from engine.tuning.prefill_estimate import prefill_report
+from engine.tuning.roofline import machine_report, measure_bandwidth, roofline
 
 __all__ = [
     "BatchSurface",

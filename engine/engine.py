@@ -8,10 +8,10 @@ The engine thread runs up to `max_batch` jobs at once, a step each in turn (a pr
 chunk or a decode round): a short request no longer waits for a long one to finish.
 Each job keeps its own cache and drafter, so its output is what it would be alone; with
 max_batch > 1 a decoding job's attention KV lives in a row of one persistent BatchCache
-(engine/batch_cache.py) from the end of its prefill to its end, so the decoding jobs'
+(engine/caches/batch_cache.py) from the end of its prefill to its end, so the decoding jobs'
 verify forwards run as one batched forward without copying any KV per round. Their head
 drafts (DSpark, DFlash) run batched too: each round a job first hands the scheduler its
-`HeadCall`, and one head forward and one walk draft every row (engine/heads/drafter.py).
+`HeadCall`, and one head forward and one walk draft every row (engine/drafting/heads/drafter.py).
 """
 
 from __future__ import annotations
@@ -29,29 +29,32 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from . import cpu_attention
-from .batch_cache import BatchCache, joinable
-from .batch_cost import quick_surface, surface_for
-from .batch_verify import Forward, run_forwards
-from .draft_control import draft_controller
-from .heads.drafter import HeadCall, draft_together
-from .prefill_chunk import chunk_for
-from .chat import chat_text, render_chat
-from .errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
-from .events import Done, PrefillProgress, Stats, Tokens
-from .kv_segments import KV_BITS, fresh_cache, kv_group_size
-from .lookup import ContextIndexCache, TokenIndex
-from .loop_guard import LoopGuard
-from .modes import attach_drafter, make_drafter, resolve_mode
-from .piece_encoder import PieceEncoder
-from .prefix_cache import PrefixCache, cache_identity
-from .sampling import SamplingParams
-from .stops import TextAssembler
-from .target import Target, load_target
-from .verify import Round, prefill, speculative_rounds
-from .vision import PromptImages, Vision, load_vision, position_view, prefill_chunks, set_position_shift
+from engine.base.bundled import resolve_model
+from engine.base.chat import chat_text, render_chat
+from engine.base.errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
+from engine.base.events import Done, PrefillProgress, Stats, Tokens
+from engine.base.loop_guard import LoopGuard
+from engine.base.piece_encoder import PieceEncoder
+from engine.base.sampling import SamplingParams
+from engine.base.stops import TextAssembler
+from engine.caches.batch_cache import BatchCache, joinable
+from engine.caches.kv_segments import KV_BITS, fresh_cache, kv_group_size
+from engine.caches.prefix_cache import PrefixCache, cache_identity
+from engine.decoding.batch_verify import Forward, run_forwards
+from engine.decoding.verify import Round, prefill, speculative_rounds
+from engine.drafting.heads.drafter import HeadCall, draft_together
+from engine.drafting.heads.loading import precheck
+from engine.drafting.lookup import ContextIndexCache, TokenIndex
+from engine.drafting.modes import attach_drafter, make_drafter, resolve_mode
+from engine.kernels import cpu_attention
+from engine.model.target import Target, load_target
+from engine.model.vision import PromptImages, Vision, load_vision, position_view, prefill_chunks, set_position_shift
+from engine.tuning.batch_cost import quick_surface, surface_for
+from engine.tuning.cost_curve import state_rollback
+from engine.tuning.draft_control import draft_controller
+from engine.tuning.prefill_chunk import chunk_for
 
-DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/draft_control.py)
+DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/tuning/draft_control.py)
 MAX_ENGINE_CORPUS_DOCS = 64
 _WAKE = object()  # put on the work queue when a job is queued
 
@@ -125,7 +128,7 @@ class Engine:
         *,
         mode: str = "auto",
         max_draft: int | str = DEFAULT_MAX_DRAFT,
-        prefill_chunk: int | None = None,  # None: measured for this machine (engine/prefill_chunk.py)
+        prefill_chunk: int | None = None,  # None: measured for this machine (engine/tuning/prefill_chunk.py)
         context_window: int | None = None,
         dtype: str | None = None,
         prefix_cache: bool = True,
@@ -139,9 +142,7 @@ class Engine:
         max_batch: int | str = 1,
     ):
         """`loop_guard`: end a generation whose last N committed tokens repeat one short
-        n-gram (engine/loop_guard.py), as `length`; 0 (the library's default) never does."""
-        from .models import resolve_model
-
+        n-gram (engine/base/loop_guard.py), as `length`; 0 (the library's default) never does."""
         if kv_bits not in (None, *KV_BITS):
             raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
@@ -152,8 +153,6 @@ class Engine:
 
         self.model_path = resolve_model(model or None)  # a bundled model's name -> its folder
         if drafter:  # a head for another model is refused before the model's weights load
-            from .heads.loading import precheck
-
             precheck(drafter, self.model_path)
         self.default_mode = mode
         self.max_draft = max_draft
@@ -166,13 +165,13 @@ class Engine:
         self._corpus_lock = threading.Lock()
         self.job_observers: list[Callable[[Job], None]] = []  # see each job before it queues (telemetry)
         self.target: Target | None = None
-        self.vision: Vision | None = None  # a VLM's vision half (engine/vision.py), else None
+        self.vision: Vision | None = None  # a VLM's vision half (engine/model/vision.py), else None
         if max_batch != "auto" and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be a whole number >= 1 or 'auto', not {max_batch!r}")
         self.max_batch = 1 if max_batch == "auto" else max_batch
         self.batched_rounds = 0  # sequence rounds verified in a batched forward
         self.batched_drafts = 0  # sequence rounds whose head draft ran in a batched draft
-        self._batch = BatchCache()  # the KV of every sequence that decodes batched (engine/batch_cache.py)
+        self._batch = BatchCache()  # the KV of every sequence that decodes batched (engine/caches/batch_cache.py)
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[tuple[Job, Iterator[None]]] = []
@@ -204,7 +203,7 @@ class Engine:
         try:
             if kv_bits:
                 kv_group_size(self.target.config)  # fail early on a head size KV quantisation can't take
-            if max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/batch_cost.py)
+            if max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/tuning/batch_cost.py)
                 self.max_batch = self.call(lambda t: quick_surface(t, kv_bits).best_max_batch())
             if prefix_cache:
                 mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731
@@ -471,7 +470,7 @@ class Engine:
             loaded.set_exception(e)
             return
         loaded.set_result(True)
-        with cpu_attention.engine_thread():  # its forwards may use the CPU kernels (engine/cpu_attention.py)
+        with cpu_attention.engine_thread():  # its forwards may use the CPU kernels (engine/kernels/cpu_attention.py)
             self._schedule()
         self.target = None
         self._stopped.set()
@@ -546,7 +545,7 @@ class Engine:
             rounds = plain_rounds(target, cache, prompt[-1], sampling)
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft
-            if cap == "auto":  # adapt per round to the acceptance seen (engine/draft_control.py)
+            if cap == "auto":  # adapt per round to the acceptance seen (engine/tuning/draft_control.py)
                 cap = controller = draft_controller(target, len(prompt), self.kv_bits)
                 hard_cap = controller.max_cap
             elif isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
@@ -559,7 +558,8 @@ class Engine:
             cap_now = cap if callable(cap) else (lambda c=cap: c)
             rounds = speculative_rounds(target, cache, prompt[-1], drafter, sampling,
                                         lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()),
-                                        defer_forward=self.max_batch > 1)
+                                        defer_forward=self.max_batch > 1,
+                                        rollback=state_rollback(target, self.kv_bits))
 
         assembler = TextAssembler(target.tokenizer, req.stop)
         eos = target.eos_token_ids
@@ -664,7 +664,7 @@ class Engine:
             raise PromptTooLongError(len(prompt), self.context_window)
         return prompt
 
-    # Prefix-cache hooks (engine/prefix_cache.py); n_cached <= len(prompt) - 1.
+    # Prefix-cache hooks (engine/caches/prefix_cache.py); n_cached <= len(prompt) - 1.
     def _new_cache(self) -> list:
         return fresh_cache(self.target, self.kv_bits)
 
@@ -696,7 +696,7 @@ def plain_rounds(target: Target, cache: list, last_token: int, sampling: Samplin
         target.model,
         max_tokens=-1,
         sampler=sampling.mlx_lm_sampler(),
-        prompt_cache=position_view(cache),  # shifted positions after an M-RoPE image (engine/vision.py)
+        prompt_cache=position_view(cache),  # shifted positions after an M-RoPE image (engine/model/vision.py)
         stream=engine_stream(),
     )
     t = time.perf_counter()

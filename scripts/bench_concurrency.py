@@ -4,7 +4,7 @@
         [--dtype bfloat16] [--tune] [--json-file PATH] [--no-http]
 
 The concurrency rows (aggregate tokens/s and time to first token of N requests at once
-against the same N one at a time, identical outputs) are engine/concurrency_bench.py's, the
+against the same N one at a time, identical outputs) are engine/bench/concurrency_bench.py's, the
 same code `mlx-dspark benchmark --concurrency` runs. Added here: how soon a streaming client
 queued behind a long request gets its first byte (the opening event) and its first token,
 over HTTP, with --max-batch 1 and 4 (the test harness's server; `--no-http` skips it).
@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import Engine, describe_platform, surface_for, tune, tune_batch  # noqa: E402
-from engine.concurrency_bench import format_rows, row_line, run_concurrency  # noqa: E402
-from engine.cost_curve import device_name  # noqa: E402
+from engine.bench.concurrency_bench import format_rows, row_line, run_concurrency  # noqa: E402
+from engine.base.platform import device_name  # noqa: E402
 
 
 def bench_queued_first_byte(engine: Engine, max_batch: int) -> dict:
@@ -39,7 +39,7 @@ def bench_queued_first_byte(engine: Engine, max_batch: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from server_harness import RunningServer
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
 
     engine.max_batch = max_batch
     long_body = {"model": "m", "max_tokens": 400, "stream": True,

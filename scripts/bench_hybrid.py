@@ -12,7 +12,7 @@ from a corpus holding the reference output, `corrupted` from one with every 5th 
 changed (the drafter's gate then keeps drafts short), `sparse` with every 12th changed
 (drafts of about 11 tokens, the last rejected: each round takes a draft back), `context`
 from the context alone. On recurrent families `--rollback both` runs each drafting case with
-per-position state capture and with snapshot + replay (engine/state_capture.py). The table gives tokens per round,
+per-position state capture and with snapshot + replay (engine/caches/state_capture.py). The table gives tokens per round,
 the time ratio against mlx-lm, and whether the tokens were identical. Absolute
 seconds mean little on a tiny model and a loaded machine: the ratios within a run are
 the numbers.
@@ -104,8 +104,8 @@ def quantized_matmul_widths(n: int = 4096, repeats: int = 7) -> None:
 
 def curves(args) -> None:
     """cost(width) / cost(1) of a verify pass per family, as `mlx-dspark tune` measures it."""
-    from engine.cost_curve import measure_cost_curve
-    from engine.target import load_target
+    from engine.tuning.cost_curve import measure_cost_curve
+    from engine.model.target import load_target
 
     print("cost(w) = seconds of a width-w verify pass, half of it taken back, over a plain width-1 step")
     print(f"{'family':<18}{'rollback':>9}{'cost(4)':>9}{'cost(16)':>10}{'cost(32)':>10}   picked")
@@ -155,7 +155,7 @@ def bench_family(family: str, tmp: Path, args, window: int) -> list[dict]:
 
     from engine import Engine, GenerationRequest
     from engine.engine import engine_stream
-    from engine.rollback import needs_replay
+    from engine.caches.rollback import needs_replay
 
     path = build_model(family, tmp / family, args.size)
     if args.quantise:

@@ -1,4 +1,4 @@
-"""Prefill attention on CPU: MLX's kernel against the blockwise one (engine/cpu_attention.py).
+"""Prefill attention on CPU: MLX's kernel against the blockwise one (engine/kernels/cpu_attention.py).
 
     python scripts/bench_prefill_attention.py                    # one layer, 2048-query chunk at 30k keys
     python scripts/bench_prefill_attention.py --prefill 15000    # + a cold prefill, both ways
@@ -21,7 +21,7 @@ import numpy as np
 def one_layer(args, rng, hq, hkv, dk, dv) -> None:
     import mlx.core as mx
 
-    from engine import cpu_attention
+    from engine.kernels import cpu_attention
 
     L, S = args.queries, args.depth
     q = rng.standard_normal((1, hq, L, dk), dtype=np.float32)
@@ -56,11 +56,12 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=4096)
     args = p.parse_args()
 
-    from engine import cpu_attention, load_target
-    from engine.attention_tune import attention_shape
-    from engine.models import default_model_path
-    from engine.platform import loaded_blas
-    from engine.prefill_chunk import chunk_for, time_prefill
+    from engine import load_target
+    from engine.kernels import cpu_attention
+    from engine.kernels.attention_crossover import attention_shape
+    from engine.base.bundled import default_model_path
+    from engine.base.platform import loaded_blas
+    from engine.tuning.prefill_chunk import chunk_for, time_prefill
 
     target = load_target(args.model or default_model_path())
     hq, hkv, dk, dv = attention_shape(target)

@@ -24,7 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from agent_bridge.clients import CODEX_MODEL
+from agent_bridge.integrate.clients import CODEX_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 CODEX = ROOT / ".node" / "node_modules" / ".bin" / "codex"

@@ -16,7 +16,7 @@ longer than the whole table.
 is the speedup a drafter whose every token is accepted would reach at that width (each round
 commits `width` tokens for the price of one forward of that width). For the hybrid, a rejected
 draft is taken back by restoring the state from before the round and replaying the kept tokens
-(engine/rollback.py); `replay` is that cost for half the width kept.
+(engine/caches/rollback.py); `replay` is that cost for half the width kept.
 
     python scripts/gpu_cost_table.py --out results/            # on the GPU machine
     python scripts/gpu_cost_table.py --tiny --out /tmp/t       # a check of the script on CPU

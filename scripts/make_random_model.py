@@ -36,7 +36,7 @@ def make_model(out: Path, args) -> int:
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.models import qwen3
 
-    from engine.models import default_model_path
+    from engine.base.bundled import default_model_path
 
     base_dir = Path(default_model_path())
     config = make_config(json.loads((base_dir / "config.json").read_text()), args)

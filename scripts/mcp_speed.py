@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 async def run_tool(engine, mode: str, root: Path, tool: str, name: str, instruction: str) -> dict:
     from mcp import Client
 
-    from agent_bridge.mcp_backends import EngineBackend
-    from agent_bridge.mcp_server import build_server
-    from agent_bridge.workspace import Workspace
+    from agent_bridge.mcp.backends import EngineBackend
+    from agent_bridge.mcp.server import build_server
+    from agent_bridge.mcp.workspace import Workspace
 
     server = build_server(EngineBackend(engine, mode=mode), Workspace(root))
     async with Client(server) as client:

@@ -3,7 +3,7 @@
     python scripts/profile_prefill.py [--model DIR] [--chunk 1024] [--depths 0,8192,16384,31744]
 
 For each depth, one prefill chunk runs over a KV cache filled with that many random keys and
-values (as `doctor`'s prediction does), with the blockwise attention (`engine/cpu_attention.py`)
+values (as `doctor`'s prediction does), with the blockwise attention (`engine/kernels/cpu_attention.py`)
 timed inside the forward. Printed per depth: the chunk's wall time; the attention kernel's share
 against its FLOPs at the BLAS rate that `doctor` uses; the rest (MLX: weight matmuls, norms, rope,
 MLP, logits, cache writes) against the weights' FLOPs at that rate. Then the attention kernel's
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def chunk_profile(target, depth: int, chunk: int, calls, rate: float) -> dict:
-    from engine import cpu_attention
-    from engine.attention_tune import unread_last_call
-    from engine.prefill_estimate import prefill_params, time_chunk_at
+    from engine.kernels import cpu_attention
+    from engine.kernels.attention_crossover import unread_last_call
+    from engine.tuning.prefill_estimate import prefill_params, time_chunk_at
 
     spent, cpu = [], []
     real = cpu_attention.attention
@@ -61,7 +61,7 @@ def chunk_profile(target, depth: int, chunk: int, calls, rate: float) -> dict:
 def kernel_parts(hq: int, hkv: int, d: int, keys: int = 16384) -> dict:
     """CPU ns per score of one work item (one thread, as each worker runs it): the whole item
     as the engine runs it, and its two matmuls alone in numpy; the difference is the softmax."""
-    from engine import cpu_attention
+    from engine.kernels import cpu_attention
 
     rep = hq // hkv
     positions = max(1, cpu_attention.QUERY_ROWS // rep)
@@ -95,11 +95,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from engine import load_target
-    from engine.attention_tune import attention_calls
-    from engine.models import default_model_path
-    from engine.platform import loaded_blas
-    from engine.prefill_chunk import chunk_for
-    from engine.prefill_estimate import blas_rates
+    from engine.kernels.attention_crossover import attention_calls
+    from engine.base.bundled import default_model_path
+    from engine.base.platform import loaded_blas
+    from engine.tuning.prefill_chunk import chunk_for
+    from engine.tuning.prefill_estimate import blas_rates
 
     target = load_target(args.model or default_model_path())
     chunk = args.chunk or chunk_for(target)

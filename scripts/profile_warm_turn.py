@@ -55,7 +55,7 @@ def fixtures_root() -> Path:
 
 
 def template_text(engine, req) -> str:
-    from agent_bridge.chat_request import fold_system_messages
+    from agent_bridge.chat.chat_request import fold_system_messages
 
     tok = engine.tokenizer
     try:
@@ -79,9 +79,9 @@ def main() -> int:
         return 0
 
     import engine.engine as engine_mod
-    import engine.prefix_cache as pc_mod
-    from agent_bridge.anthropic_api import parse_request
-    from agent_bridge.chat_request import render
+    import engine.caches.prefix_cache as pc_mod
+    from agent_bridge.apis.anthropic_api import parse_request
+    from agent_bridge.chat.chat_request import render
     from engine import Engine, GenerationRequest
 
     timers = Timers()
@@ -90,7 +90,7 @@ def main() -> int:
     timers.wrap(engine_mod, "make_drafter", "drafter")
     timers.wrap(engine_mod, "prefill", "prefill")
     timers.wrap(pc_mod.PrefixCache, "release", "release")
-    from engine import lookup as lookup_mod
+    from engine.drafting import lookup as lookup_mod
 
     timers.wrap(lookup_mod.LookupDrafter, "start", "drafter")
     for name in ("ContextIndexCache",):  # the continued lookup index, where it exists

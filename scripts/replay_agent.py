@@ -75,8 +75,8 @@ def render_prompts(model: str, fixture: Path) -> list[str]:
     """Each request's prompt text, as `serve` renders it (system messages folded where needed)."""
     from mlx_lm.utils import load_tokenizer
 
-    from agent_bridge.anthropic_api import parse_request
-    from agent_bridge.chat_request import fold_system_messages
+    from agent_bridge.apis.anthropic_api import parse_request
+    from agent_bridge.chat.chat_request import fold_system_messages
 
     tok = load_tokenizer(Path(model))
     texts = []
@@ -240,7 +240,7 @@ def main() -> int:
     args = ap.parse_args()
 
     if args.model is None:
-        from engine.models import default_model_path
+        from engine.base.bundled import default_model_path
 
         args.model = str(default_model_path())
     found = []

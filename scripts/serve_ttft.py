@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--no-prefix-cache", action="store_true")
     args = ap.parse_args()
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from engine import Engine
 
     engine = Engine(args.model, prefix_cache=not args.no_prefix_cache)

@@ -41,8 +41,8 @@ def main() -> None:
     from scripted_model import script_engine
     from server_harness import RunningServer, build_agent_sized_model
 
-    from agent_bridge.server import create_app
-    from agent_bridge.tool_stream import Syntax
+    from agent_bridge.app import create_app
+    from agent_bridge.chat.tool_stream import Syntax
     from engine import Engine
 
     content = "".join(f"    total += step_{i}(x)\n" if i % 4 else f"def step_{i}(x):\n" for i in range(args.lines))

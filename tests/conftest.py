@@ -37,8 +37,8 @@ def cache_home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(scope="module")
 def target(tiny_model_dir):
-    """The tiny model loaded as the engine loads it (engine.target.load_target)."""
-    from engine.target import load_target
+    """The tiny model loaded as the engine loads it (engine.model.target.load_target)."""
+    from engine.model.target import load_target
 
     return load_target(tiny_model_dir)
 

@@ -15,7 +15,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from engine.chat import render_chat
+from engine.base.chat import render_chat
 from tiny_models import build_tiny_model
 
 

@@ -20,7 +20,7 @@ def renamed(text: str) -> str:
 
 
 def safety_chats() -> list:
-    from agent_bridge.mcp_server import task_messages
+    from agent_bridge.mcp.server import task_messages
 
     chats = [(task_messages("edit_file", "spread.py", SPREAD, instruction=SPREAD_INSTRUCTION), prompts.fence(SPREAD_EDITED)),
              (task_messages("rename_symbol", "one.py", ONE, old="add", new="plus"), prompts.fence(ONE_BAD))]

@@ -10,7 +10,7 @@ import time
 import pytest
 import uvicorn
 
-from agent_bridge.server import UVICORN_OPTIONS
+from agent_bridge.app import UVICORN_OPTIONS
 
 
 def cli_test(cli, name: str):

@@ -18,8 +18,8 @@ from engine import (
     load_cost_curve,
     tune,
 )
-from engine.cost_curve import curve_path
-from engine.draft_control import expected_tokens
+from engine.tuning.cost_curve import curve_path
+from engine.tuning.draft_control import expected_tokens
 
 SMALL = dict(widths=(1, 2, 4, 8), depths=(16, 64), repeats=1)
 
@@ -181,7 +181,7 @@ def test_engine_auto_cap_is_lossless_and_adapts(tiny_engine, cache_home):
 def test_machine_route_reports_the_roofline(tiny_engine, cache_home):
     from starlette.testclient import TestClient
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
 
     with TestClient(create_app(tiny_engine)) as client:
         r = client.get("/machine")

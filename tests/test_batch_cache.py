@@ -1,4 +1,4 @@
-"""The persistent batched KV store (engine/batch_cache.py): rows at different depths verify
+"""The persistent batched KV store (engine/caches/batch_cache.py): rows at different depths verify
 ragged drafts (a 17-token verbatim copy among short ones) in one forward and give what each
 sequence gets alone; drafts rejected by different amounts per row roll each row back to its
 own length; a sequence leaves mid-batch (the last row moves into its slot) and another joins;
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from engine import Engine, GenerationRequest
-from engine.batch_cache import GROW_TOKENS, BatchCache, RowCache
-from engine.batch_verify import Forward, choose_batch, run_forwards
-from engine.kv_segments import fresh_cache
-from engine.rollback import mark, take_back
+from engine.caches.batch_cache import GROW_TOKENS, BatchCache, RowCache
+from engine.decoding.batch_verify import Forward, choose_batch, run_forwards
+from engine.caches.kv_segments import fresh_cache
+from engine.caches.rollback import mark, take_back
 
 from test_batch_cost import synthetic
 
@@ -186,7 +186,7 @@ def test_a_batched_forward_pads_to_a_width_measured_no_dearer(target):
     """Where 4 rows of 3 tokens measured slower than 4 rows of 4 (the measured cell is capped to
     the wider one's time), the batched forward runs 4 tokens wide: each row's logits and KV are
     what the 3-wide forward gives, and nothing past a row's length is read afterwards."""
-    from engine.batch_cost import BatchSurface
+    from engine.tuning.batch_cost import BatchSurface
 
     widths = [1, 2, 3, 4, 8]
     raw = {1: [1.0, 1.1, 1.2, 1.3, 1.6], 4: [2.0, 2.2, 3.5, 2.6, 3.2]}  # 4 rows: width 3 slower than 4

@@ -1,4 +1,4 @@
-"""The batch cost surface (engine/batch_cost.py): measured through the scheduler's batched
+"""The batch cost surface (engine/tuning/batch_cost.py): measured through the scheduler's batched
 forward, cached under the width curve's key, read back; what the draft controller, the
 scheduler and `--max-batch auto` take from it; `benchmark --concurrency` on a tiny model.
 Models: a tiny random qwen3 (real engine, real MLX forwards); synthetic surfaces where a
@@ -14,9 +14,9 @@ import pytest
 from agent_bridge.cli import main
 from engine import (BatchSurface, CostCurve, DraftController, Engine, GenerationRequest, curve_key,
                     load_batch_surface, load_target, surface_for, tune_batch)
-from engine.batch_cost import save_batch_surface, surface_path
-from engine.batch_verify import Forward, choose_batch
-from engine.cost_curve import curve_path
+from engine.tuning.batch_cost import save_batch_surface, surface_path
+from engine.decoding.batch_verify import Forward, choose_batch
+from engine.tuning.cost_curve import curve_path
 
 BATCHES, WIDTHS = [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]
 

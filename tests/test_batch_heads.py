@@ -1,4 +1,4 @@
-"""Drafter heads batched across sequences (engine/heads/drafter.py `draft_together`): one head
+"""Drafter heads batched across sequences (engine/drafting/heads/drafter.py `draft_together`): one head
 forward and one walk for all rows give each row the draft it makes alone (greedy: the same
 tokens, or a first difference at a near-tie of the alone logits; sampled: the same draws from
 each row's own generator), rows of different context lengths, positions and caps together; and
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from engine import Engine, GenerationRequest, SamplingParams
-from engine.heads import HeadDrafter, load_head
-from engine.heads.drafter import HeadCall, draft_together
-from engine.heads.export import dflash_config, dspark_config, random_head_checkpoint
-from engine.target import load_target
-from engine.verify import prefill, speculative_rounds
+from engine.drafting.heads import HeadDrafter, load_head
+from engine.drafting.heads.drafter import HeadCall, draft_together
+from engine.drafting.heads.export import dflash_config, dspark_config, random_head_checkpoint
+from engine.model.target import load_target
+from engine.decoding.verify import prefill, speculative_rounds
 
 PROMPTS = [
     "def rename_symbol(path, old, new):\n",

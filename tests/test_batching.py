@@ -105,7 +105,7 @@ def test_reference_model_batched_diverges_only_at_near_ties():
     may round differently from a single row's)."""
     import mlx.core as mx
 
-    from engine.kv_segments import fresh_cache
+    from engine.caches.kv_segments import fresh_cache
 
     with Engine(prefix_cache=False, dtype="float32", max_batch=4) as engine:
         prompts = [engine.render_chat([{"role": "user", "content": q}]) for q in (

@@ -9,7 +9,7 @@ import pytest
 
 from agent_bridge.cli import main
 from engine import SamplingParams
-from engine.benchmark import build_content, plain_mlx_lm
+from engine.bench.benchmark import build_content, plain_mlx_lm
 
 
 def _agent_session(path, turns: int = 3):

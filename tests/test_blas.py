@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from engine import CostCurve, curve_for_requests, curve_key, load_target
-from engine.cost_curve import curve_still_holds, save_cost_curve
-from engine.platform import blas_name, find_openblas
+from engine.tuning.cost_curve import curve_still_holds, save_cost_curve
+from engine.base.platform import blas_name, find_openblas
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = ("import numpy, mlx.core as mx; from engine.platform import mlx_blas_path, loaded_blas; "
-         "from engine.cost_curve import device_name; "
+PROBE = ("import numpy, mlx.core as mx; from engine.base.platform import mlx_blas_path, loaded_blas; "
+         "from engine.base.platform import device_name; "
          "import json; print(json.dumps([mlx_blas_path(), loaded_blas(), device_name()]))")
 linux = pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD and the mlx-cpu wheel are Linux's")
 
@@ -73,7 +73,7 @@ def test_cli_warns_once_on_a_slow_blas(tiny_model_dir):
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    from engine import cost_curve
+    from engine.tuning import cost_curve
 
     monkeypatch.setattr(cost_curve, "_memo", {})
     return tmp_path / "cache"
@@ -92,7 +92,7 @@ def test_a_cached_curve_that_no_longer_holds_is_remeasured(cache_home, tiny_mode
 
 
 def test_better_core_asks_for_the_vector_units_the_cpu_has():
-    from engine.platform import better_core
+    from engine.base.platform import better_core
 
     avx512 = {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"}
     assert better_core("Prescott", avx512) == "SkylakeX"  # a CPU newer than the OpenBLAS release
@@ -108,13 +108,13 @@ def test_better_core_asks_for_the_vector_units_the_cpu_has():
 def test_the_reexec_asks_for_kernels_the_cpu_runs_and_children_do_not_inherit_it(tmp_path):
     """Where OpenBLAS picks kernels older than the CPU (it doesn't know the model), the CLI's
     re-exec sets OPENBLAS_CORETYPE, preloaded by us or by the caller; a user's own is kept."""
-    from engine.platform import better_core, cpu_flags
+    from engine.base.platform import better_core, cpu_flags
 
     script = tmp_path / "probe.py"
     script.write_text(
         "import json, os, subprocess, sys\n"
         f"sys.path.insert(0, {REPO!r})\n"
-        "from engine.platform import ensure_fast_blas, loaded_blas\n"
+        "from engine.base.platform import ensure_fast_blas, loaded_blas\n"
         "ensure_fast_blas()\n"
         "import mlx.core\n"
         "child = subprocess.run(['sh', '-c', 'echo \"$OPENBLAS_CORETYPE\"'], capture_output=True, text=True)\n"
@@ -128,7 +128,7 @@ def test_the_reexec_asks_for_kernels_the_cpu_runs_and_children_do_not_inherit_it
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     own = subprocess.run([sys.executable, "-c", "import ctypes, sys; sys.path.insert(0, sys.argv[1]); "
-                          "from engine.platform import openblas_core; print(openblas_core(ctypes.CDLL(sys.argv[2])))",
+                          "from engine.base.platform import openblas_core; print(openblas_core(ctypes.CDLL(sys.argv[2])))",
                           REPO, find_openblas()], env=base, capture_output=True, text=True, timeout=60).stdout.strip()
     want = better_core(own, cpu_flags())
     for env in ({}, {"LD_PRELOAD": find_openblas()}):

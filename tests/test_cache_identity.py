@@ -28,8 +28,8 @@ def publish(cache, repo: str, model_dir, revision: str) -> None:
 def test_reuploaded_hub_model_gets_a_new_identity(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from engine.prefix_cache import cache_identity
-    from engine.target import load_target
+    from engine.caches.prefix_cache import cache_identity
+    from engine.model.target import load_target
 
     cache = tmp_path / "hub"
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))

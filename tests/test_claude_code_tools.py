@@ -16,8 +16,8 @@ import pytest
 from scripted_model import script_engine
 from server_harness import RunningServer, build_agent_sized_model
 
-from agent_bridge.server import create_app
-from agent_bridge.thinking_signature import ThinkingSigner
+from agent_bridge.app import create_app
+from agent_bridge.chat.thinking_signature import ThinkingSigner
 
 CLAUDE = Path(__file__).resolve().parents[1] / ".node" / "node_modules" / ".bin" / "claude"
 

@@ -69,7 +69,7 @@ def rename_session(engine, case, tmp_path, capture: Path | None = None) -> tuple
     scripts/recording_proxy.py into that file."""
     import httpx
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from recording_proxy import RecordingProxy
 
     with RunningServer(create_app(engine)) as srv, RecordingProxy(srv.url, capture) as proxy:
@@ -168,7 +168,7 @@ def test_held_out_cases_are_training_data_renames():
 # -- issue 16 item 3, with the real CLI: a turn ends at the CLI's max_tokens, and a loop ends early --
 
 def scripted_session(case, tmp_path, model_dir, reply: str, max_output_tokens: int | None = None):
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from scripted_model import script_engine
 
     with serve_engine(str(model_dir)) as engine:
@@ -194,7 +194,7 @@ def test_loop_guard_ends_a_looping_reply_under_claude_code(case, cache_home, tmp
     """A model stuck in a loop, asked for Claude Code's 32,000 tokens: each reply ends once 256
     tokens repeat one n-gram (as max_tokens, with the guard's note), so the session ends long
     before the context is full."""
-    from engine.loop_guard import DEFAULT_WINDOW
+    from engine.base.loop_guard import DEFAULT_WINDOW
 
     session = scripted_session(case, tmp_path, agent_sized_model, "Renaming now. " + "x = 1\n" * 4000)
     assert session.requests and not session.passed
@@ -207,7 +207,7 @@ def test_loop_guard_ends_a_looping_reply_under_claude_code(case, cache_home, tmp
 def test_evaluation_script_end_to_end(case, cache_home, tmp_path, agent_sized_model, capsys):
     """scripts/agent_rename_eval.py's own main against a running server (the scripted model):
     its table, its JSON and its capture of what the CLI sent."""
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from scripted_model import script_engine
 
     with serve_engine(str(agent_sized_model)) as engine:
@@ -241,7 +241,7 @@ def test_draft_counts_by_drafter_sum_to_the_totals(tiny_model_dir):
 
 
 def test_stats_sum_adds_the_counts_by_drafter():
-    from engine.events import Stats
+    from engine.base.events import Stats
 
     a, b = Stats(), Stats()
     a.add_round(8, 5, "lookup")
@@ -256,7 +256,7 @@ def test_stats_sum_adds_the_counts_by_drafter():
 def test_max_turns_ends_a_session_that_repeats_a_refused_call(case, cache_home, tmp_path, agent_sized_model):
     """A model that writes without reading is refused by the CLI and tries again every turn:
     `--max-turns` ends that session, and the verdict quotes the CLI's refusal."""
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from scripted_model import script_engine
 
     path = str(tmp_path / "session" / "project" / case.name)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.platform import find_openblas
+from engine.base.platform import find_openblas
 
 CODE = "def area(width, height):\n    return width * height\n\n\nprint(area(3, 4))\n"
 

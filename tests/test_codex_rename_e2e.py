@@ -7,7 +7,7 @@ for (`model = "local"`) its tools are `exec_command` (a shell in a PTY), `write_
 no edit tool at all. For a model slug in its bundled catalogue (`gpt-5.5` here: only the name
 Codex sends; our server serves whatever model it loaded under any name) it adds `apply_patch` as a
 `custom` (freeform, lark grammar) tool, the edit tool Codex's own models use. So the session runs
-with `model = "gpt-5.5"`; agent_bridge/responses_api.py shows the custom tool to the model as a
+with `model = "gpt-5.5"`; agent_bridge/apis/responses_api.py shows the custom tool to the model as a
 function of one string, `input`, and answers its calls as `custom_tool_call` items.
 `--sandbox workspace-write` runs the shell and writes the patch in this container (no network).
 
@@ -52,7 +52,7 @@ def test_scripted_model_renames_through_codex(case, cache_home, tmp_path, agent_
     from scripted_model import script_engine
     from test_claude_rename_e2e import serve_engine
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
 
     read = {"name": "exec_command", "arguments": {"cmd": f"cat {case.name}"}}
     patch = {"name": "apply_patch", "arguments": {"input": apply_patch_for(case.name, case.text, case.expected)}}
@@ -93,7 +93,7 @@ def test_evaluation_script_through_codex(case, cache_home, tmp_path, agent_sized
     from scripted_model import script_engine
     from test_claude_rename_e2e import serve_engine
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
 
     with serve_engine(str(agent_sized_model)) as engine:
         script_engine(engine).set("I cannot do that.")
@@ -121,7 +121,7 @@ def scripted(tiny_model_dir):
     from engine import Engine
     from scripted_model import script_engine
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
 
     engine = Engine(str(tiny_model_dir), prefix_cache=False)
     script = script_engine(engine)
@@ -157,7 +157,7 @@ def test_custom_tool_round_trip(scripted):
 
 
 def test_custom_tool_is_shown_as_a_function_of_one_string():
-    from agent_bridge.responses_api import convert_tools
+    from agent_bridge.apis.responses_api import convert_tools
 
     (fn,) = convert_tools([PATCH_TOOL, {"type": "web_search"}])
     assert fn["function"]["name"] == "apply_patch"

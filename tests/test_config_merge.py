@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agent_bridge.config_files import loads, merge, merge_into_file, strip_jsonc
+from agent_bridge.integrate.config_files import loads, merge, merge_into_file, strip_jsonc
 
 
 def test_lists_of_strings_merge_as_sets():

@@ -16,7 +16,7 @@ def engine(tiny_model_dir):
 
 def test_corpus_is_indexed_once_not_per_request(engine, monkeypatch):
     from engine import GenerationRequest
-    from engine import lookup
+    from engine.drafting import lookup
 
     doc = list(range(5, 600))
     engine.add_corpus(doc, path="big.py")
@@ -46,7 +46,7 @@ def test_one_document_per_path_replaced_on_change(engine):
 def test_http_corpus_route_keys_on_path(engine):
     from starlette.testclient import TestClient
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
 
     client = TestClient(create_app(engine))
     for text in ("def f():\n    return 1\n", "def f():\n    return 2\n", "def f():\n    return 3\n"):

@@ -12,9 +12,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from engine import Engine, GenerationRequest, cpu_attention, cpu_swiglu
-from engine import attention_tune as tune_mod
-from engine import native
+from engine import Engine, GenerationRequest
+from engine.kernels import cpu_attention
+from engine.kernels import cpu_swiglu
+from engine.tuning import attention_tune as tune_mod
+from engine.kernels import native
 from tiny_models import build_tiny_model
 
 
@@ -216,7 +218,7 @@ def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed)
     """A cache-filling chunk computes every layer's attention but the last (whose output nothing
     reads, so MLX never evaluates it), and the cache it leaves equals a full forward's."""
     from engine import load_target
-    from engine.verify import prefill
+    from engine.decoding.verify import prefill
 
     target = load_target(tiny_model_dir)
     cpu_attention.set_crossover(0)  # load_target installed the default crossover
@@ -246,7 +248,7 @@ def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed)
 
 
 def batch_mask(starts, L, S, window=None):
-    """A batched verify forward's mask (engine/batch_cache.py): row b's query i sees keys
+    """A batched verify forward's mask (engine/caches/batch_cache.py): row b's query i sees keys
     0..starts[b] + i (within `window` of it)."""
     key = np.arange(S)[None, None, None, :]
     query = np.asarray(starts)[:, None, None, None] + np.arange(L)[None, None, :, None]

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from mlx_lm.models import activations
 
-from engine import cpu_attention, cpu_swiglu, load_target
+from engine import load_target
+from engine.kernels import cpu_attention
+from engine.kernels import cpu_swiglu
 
 
 @pytest.fixture(autouse=True)

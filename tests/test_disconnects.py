@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer
 from tiny_models import build_tiny_model
 

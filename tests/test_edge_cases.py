@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, GenerationRequest, InvalidRequestError, PromptTooLongError
-from engine.stops import TextAssembler
+from engine.base.stops import TextAssembler
 
 PROMPT_TEXT = "Re-emit this:\nfor i in range(10):\n    print(i, i * i)\n"
 

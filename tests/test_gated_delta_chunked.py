@@ -1,11 +1,11 @@
-"""The chunked Gated DeltaNet (engine/gated_delta_chunked.py) against mlx-lm's step loop."""
+"""The chunked Gated DeltaNet (engine/kernels/gated_delta_chunked.py) against mlx-lm's step loop."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import gated_delta
 
-from engine import gated_delta_chunked
-from engine.gated_delta_chunked import chunked_gated_delta
+from engine.kernels import gated_delta_chunked
+from engine.kernels.gated_delta_chunked import chunked_gated_delta
 
 step_loop = getattr(gated_delta.gated_delta_ops, "__wrapped__", gated_delta.gated_delta_ops)
 while hasattr(step_loop, "__wrapped__"):

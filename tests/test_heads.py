@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from engine import Engine, GenerationRequest, SamplingParams
-from engine.heads import HeadDrafter, load_head
-from engine.heads.backbone import ContextCache
-from engine.heads.export import dflash_config, dspark_config, random_head_checkpoint
-from engine.target import load_target
-from engine.verify import prefill, speculative_rounds
+from engine.drafting.heads import HeadDrafter, load_head
+from engine.drafting.heads.backbone import ContextCache
+from engine.drafting.heads.export import dflash_config, dspark_config, random_head_checkpoint
+from engine.model.target import load_target
+from engine.decoding.verify import prefill, speculative_rounds
 from stats_util import chi_square_fits
 
 PROMPTS = [
@@ -123,7 +123,7 @@ def test_incremental_context_equals_full_recompute(tiny_target, tiny_heads, kind
 
 def _exact_marginals(target, prompt, params):
     """The target's distributions of the first and second sampled token."""
-    from engine.sampling import target_probs
+    from engine.base.sampling import target_probs
 
     p1 = target_probs(target.forward(prompt, target.make_cache()), params)[-1]
     p2 = np.zeros_like(p1)
@@ -195,7 +195,7 @@ def test_draft_tokens_follow_the_reported_q(tiny_target, tiny_heads, kind):
 
 def test_chi_square_here_has_power(tiny_target):
     """Sampling the first token from a slightly wrong temperature is caught by the same check."""
-    from engine.sampling import target_probs
+    from engine.base.sampling import target_probs
 
     prompt = tiny_target.encode(PROMPTS[1])
     logits = tiny_target.forward(prompt, tiny_target.make_cache())

@@ -12,10 +12,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from engine import Engine, ModelLoadError
-from engine.heads import DrafterLoadError, load_head
-from engine.heads.export import dflash_config, dspark_config, random_head_checkpoint, save_checkpoint
-from engine.heads.registry import base_name
-from engine.modes import resolve_mode
+from engine.drafting.heads import DrafterLoadError, load_head
+from engine.drafting.heads.export import dflash_config, dspark_config, random_head_checkpoint, save_checkpoint
+from engine.drafting.heads.registry import base_name
+from engine.drafting.modes import resolve_mode
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_modes_registry_and_engine_option(tiny_model_dir, tc, tmp_path):
     with Engine(str(tiny_model_dir), drafter=str(path)) as engine:
         assert engine.call(lambda t: resolve_mode("auto", t)) == "dspark"
         with pytest.raises(Exception, match="not dflash|no dflash drafter"):
-            engine.call(lambda t: __import__("engine.heads", fromlist=["head_for"]).head_for(t, "dflash"))
+            engine.call(lambda t: __import__("engine.drafting.heads", fromlist=["head_for"]).head_for(t, "dflash"))
     with Engine(str(tiny_model_dir)) as engine:  # nothing registered for this model: auto is lookup
         assert engine.call(lambda t: resolve_mode("auto", t)) == "lookup"
         with pytest.raises(Exception, match="no dspark drafter is registered"):

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from engine import REFERENCE_MODEL_DIR, Engine, GenerationRequest, SamplingParams
-from engine.heads import HeadDrafter, head_for
-from engine.heads.registry import REFERENCE_BEST, REFERENCE_DRAFTERS
-from engine.modes import resolve_mode
-from engine.verify import prefill
+from engine.drafting.heads import HeadDrafter, head_for
+from engine.drafting.heads.registry import REFERENCE_BEST, REFERENCE_DRAFTERS
+from engine.drafting.modes import resolve_mode
+from engine.decoding.verify import prefill
 from stats_util import chi_square_fits
 
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer
 
 HOOKS = Path(__file__).resolve().parents[1] / "integrations" / "claude-code" / "hooks"

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer
 
 WINDOW = 256

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from engine import Engine, GenerationRequest, models
-from engine.model_catalog import find_models, model_locations
+from engine import Engine, GenerationRequest
+from engine.base import bundled as models
+from engine.catalog.model_catalog import find_models, model_locations
 from test_lossless import lookup_ids, mlx_lm_greedy
 from tiny_models import build_family_model
 
@@ -80,7 +81,7 @@ def test_real_package_fits_and_is_listed():
 def test_real_model_copies_a_rename_losslessly():
     """The `refactor` content (a stdlib module, one identifier renamed): lookup drafting gives
     mlx-lm's greedy output token for token, and drafts are accepted (it copies)."""
-    from engine.benchmark import build_content
+    from engine.bench.benchmark import build_content
 
     with Engine(models.HYBRID_REFERENCE_NAME) as engine:
         content = build_content(engine, "refactor")

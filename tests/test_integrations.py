@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from agent_bridge.cli import main
-from agent_bridge.clients import CLIENTS, Options, targets
-from agent_bridge.config_files import loads, strip_jsonc
+from agent_bridge.integrate.clients import CLIENTS, Options, targets
+from agent_bridge.integrate.config_files import loads, strip_jsonc
 
 REPO = Path(__file__).resolve().parents[1]
 SNIPPETS = REPO / "integrations"
@@ -164,8 +164,8 @@ needs_claude = pytest.mark.skipif(not CLAUDE.exists(), reason="Claude Code CLI n
 
 @pytest.fixture(scope="module")
 def mcp_server(tiny_model_dir, tmp_path_factory):
-    from agent_bridge.mcp_server import http_mount
-    from agent_bridge.server import create_app
+    from agent_bridge.mcp.server import http_mount
+    from agent_bridge.app import create_app
     from engine import Engine
     from server_harness import RunningServer
 

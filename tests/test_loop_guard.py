@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine.loop_guard import LoopGuard, repeated_share
+from engine.base.loop_guard import LoopGuard, repeated_share
 
 
 def first_trip(tokens, window=64, max_period=8):
@@ -97,9 +97,9 @@ def test_engine_without_guard_runs_to_max_tokens(tiny_model_dir, looping_output)
 
 
 def test_benchmark_flags_a_looping_reply_as_degenerate(tiny_model_dir, looping_output, monkeypatch):
-    import engine.benchmark as benchmark
+    import engine.bench.benchmark as benchmark
     from engine import Engine
-    from engine.sampling import SamplingParams
+    from engine.base.sampling import SamplingParams
 
     prompt, unguarded, _ = looping_output
     share = repeated_share(unguarded)
@@ -120,7 +120,7 @@ def test_loop_guard_flag_defaults_on_for_servers_only(tiny_model_dir):
 
     from agent_bridge.cli import CommandError
     from agent_bridge.commands.common import add_engine_args, engine_from_args
-    from engine.loop_guard import DEFAULT_WINDOW
+    from engine.base.loop_guard import DEFAULT_WINDOW
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

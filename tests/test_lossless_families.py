@@ -127,8 +127,8 @@ def test_heads_tap_hybrid_and_sliding_targets(family, tmp_path):
 
     import mlx.core as mx
 
-    from engine.heads.export import dflash_config, random_head_checkpoint
-    from engine.target import load_target
+    from engine.drafting.heads.export import dflash_config, random_head_checkpoint
+    from engine.model.target import load_target
 
     path = build_family_model(tmp_path / family, family, seed=5)
     config = json.loads((path / "config.json").read_text())

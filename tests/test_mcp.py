@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from agent_bridge.mcp_backends import EngineBackend
-from agent_bridge.mcp_server import build_server, task_messages
-from agent_bridge.workspace import Workspace
+from agent_bridge.mcp.backends import EngineBackend
+from agent_bridge.mcp.server import build_server, task_messages
+from agent_bridge.mcp.workspace import Workspace
 
 CALC = "def add(a, b):\n    return a + b\n\n\ndef twice(x):\n    return add(x, x)\n"
 CALC_RENAMED = CALC.replace("add", "plus")

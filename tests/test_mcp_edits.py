@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent_bridge.edits import Edit, GarbledOutput, check_rename, new_text_from_reply, unified_diff
-from agent_bridge.workspace import Workspace, WorkspaceError, write_atomic
+from agent_bridge.mcp.edits import Edit, GarbledOutput, check_rename, new_text_from_reply, unified_diff
+from agent_bridge.mcp.workspace import Workspace, WorkspaceError, write_atomic
 
 OLD = "a = 1\nb = 2\n"
 

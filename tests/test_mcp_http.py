@@ -9,8 +9,8 @@ import httpx
 import pytest
 from mcp import Client, StdioServerParameters
 
-from agent_bridge.mcp_server import http_mount
-from agent_bridge.server import create_app
+from agent_bridge.mcp.server import http_mount
+from agent_bridge.app import create_app
 from server_harness import RunningServer
 from test_mcp_stdio import mlx_dspark
 

@@ -80,7 +80,7 @@ def test_escapes_refused_and_nothing_touched(tiny_engine, arena, tool):
 
 
 def test_changed_between_read_and_write_is_not_overwritten(safety_engine, tmp_path):
-    from agent_bridge.mcp_backends import EngineBackend
+    from agent_bridge.mcp.backends import EngineBackend
 
     (tmp_path / "spread.py").write_text(SPREAD)
 
@@ -111,9 +111,9 @@ FULL_DISK = """
 import json, resource, signal, sys
 sys.path.insert(0, {tests!r})
 from engine import Engine
-from agent_bridge.mcp_backends import EngineBackend
-from agent_bridge.mcp_server import build_server
-from agent_bridge.workspace import Workspace
+from agent_bridge.mcp.backends import EngineBackend
+from agent_bridge.mcp.server import build_server
+from agent_bridge.mcp.workspace import Workspace
 from test_mcp_safety import call, text_of
 engine = Engine({model!r}, prefix_cache=False)
 server = build_server(EngineBackend(engine), Workspace({root!r}))

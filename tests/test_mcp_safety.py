@@ -7,7 +7,7 @@ import os
 import pytest
 
 import prompts
-from agent_bridge.edits import Edit, GarbledOutput, check_rename, count_hunks, new_text_from_reply
+from agent_bridge.mcp.edits import Edit, GarbledOutput, check_rename, count_hunks, new_text_from_reply
 
 MARKDOWN = "# Setup\n\nInstall it:\n\n```bash\npip install x\n```\n\nThen run `x`.\n\n````text\nnested ``` here\n````\n\nThe end.\n"
 DOCSTRING = 'def f():\n    """Example:\n\n    ```python\n    >>> f()\n    ```\n    """\n    return 1\n\n\nTAIL = 2\n'
@@ -22,7 +22,7 @@ def test_fence_round_trips_any_file(text):
 
 
 def test_templates_fence_with_the_files_longest_run():
-    from agent_bridge.mcp_server import task_messages
+    from agent_bridge.mcp.server import task_messages
 
     user = task_messages("edit_file", "README.md", MARKDOWN, instruction="Keep the content exactly as it is.")[1]["content"]
     assert "`````markdown\n" + MARKDOWN + "`````" in user
@@ -111,9 +111,9 @@ def ws(tmp_path):
 
 
 def server_for(engine, root, backend=None, **kw):
-    from agent_bridge.mcp_backends import EngineBackend
-    from agent_bridge.mcp_server import build_server
-    from agent_bridge.workspace import Workspace
+    from agent_bridge.mcp.backends import EngineBackend
+    from agent_bridge.mcp.server import build_server
+    from agent_bridge.mcp.workspace import Workspace
 
     return build_server(backend or EngineBackend(engine), Workspace(root), **kw)
 
@@ -160,7 +160,7 @@ def test_rename_of_three_files_commits_together(safety_engine, ws):
 
 def test_rename_third_file_saved_mid_generation_writes_nothing(safety_engine, ws):
     # item 2: the user saves c.py while the model works on it; a.py and b.py were fine
-    from agent_bridge.mcp_backends import EngineBackend
+    from agent_bridge.mcp.backends import EngineBackend
 
     class SavesC(EngineBackend):
         def generate(self, messages, max_tokens, temperature=0.0):
@@ -189,7 +189,7 @@ def test_bundled_model_keep_as_is_never_drops_fences(tmp_path):
     # item 1b, as reproduced: the bundled model on a Markdown file with a bash block
     from engine import Engine
 
-    from agent_bridge.mcp_backends import EngineBackend
+    from agent_bridge.mcp.backends import EngineBackend
 
     md = "# Setup\n\nInstall it:\n\n```bash\npip install x\n```\n\nThen run `x`.\n"
     (tmp_path / "README.md").write_text(md)

@@ -1,4 +1,4 @@
-"""Finding every model on the machine (engine/model_catalog.py, `mlx-dspark models`,
+"""Finding every model on the machine (engine/catalog/model_catalog.py, `mlx-dspark models`,
 `GET /v1/models?all=1`) against fake hub-cache, LM Studio and user folder trees that hold
 real files of tiny random models: a qwen3 in the hub cache, a llama in LM Studio with a
 DFlash head beside it (and a head for another model that must not be listed), a 4-bit
@@ -18,8 +18,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from engine.heads.export import dflash_config, random_head_checkpoint
-from engine.model_catalog import find_models, pairing_problems, weights_missing
+from engine.drafting.heads.export import dflash_config, random_head_checkpoint
+from engine.catalog.model_catalog import find_models, pairing_problems, weights_missing
 from test_models_cmd import make_hub_cache
 
 
@@ -151,7 +151,7 @@ def test_models_command_table_and_json(env):
 def test_v1_models_all_over_the_openai_sdk(env, tiny_engine):
     import openai
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from server_harness import RunningServer
 
     with RunningServer(create_app(tiny_engine, models_dirs=[str(env["mine"])])) as srv:

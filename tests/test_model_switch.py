@@ -1,4 +1,4 @@
-"""Switching models without a restart (agent_bridge/model_registry.py), with the real openai
+"""Switching models without a restart (agent_bridge/serving/model_registry.py), with the real openai
 and anthropic SDKs over a real socket, on two tiny random models (a qwen3 "alpha" and a
 llama "beta") in a models folder.
 
@@ -19,10 +19,10 @@ import httpx
 import openai
 import pytest
 
-from agent_bridge.model_registry import EngineHandle
-from agent_bridge.server import create_app
+from agent_bridge.serving.model_registry import EngineHandle
+from agent_bridge.app import create_app
 from engine import Engine
-from engine.prefix_cache import cache_identity
+from engine.caches.prefix_cache import cache_identity
 from server_harness import RunningServer
 
 PROMPTS = ["def rename_symbol(path, old, new):", "class Engine:\n    def __init__(self, model):", "for i in range(10):"]

@@ -1,11 +1,11 @@
-"""C kernels compiled at first use (engine/native.py): built once into the cache folder and
+"""C kernels compiled at first use (engine/kernels/native.py): built once into the cache folder and
 reused; a failing or absent compiler, or MLX_DSPARK_NATIVE=0, gives None (callers use numpy)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine import native
+from engine.kernels import native
 
 
 @pytest.fixture

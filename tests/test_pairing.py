@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from engine import Engine
-from engine.heads import DrafterLoadError
-from engine.heads.export import dflash_config, dspark_config, random_head_checkpoint
+from engine.drafting.heads import DrafterLoadError
+from engine.drafting.heads.export import dflash_config, dspark_config, random_head_checkpoint
 
 
 @pytest.fixture(scope="module")

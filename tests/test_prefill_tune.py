@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from engine import Engine
-from engine import prefill_chunk as pc
-from engine.prefill_estimate import matmul_params, predict_prefill, prefill_flops
+from engine.tuning import prefill_chunk as pc
+from engine.tuning.prefill_estimate import matmul_params, predict_prefill, prefill_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,7 +54,7 @@ def test_flops_count(target):
 
 
 def test_prediction_from_two_chunks_is_near_the_full_run(target):
-    from engine.prefill_chunk import time_prefill
+    from engine.tuning.prefill_chunk import time_prefill
 
     import numpy as np
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, GenerationRequest
-from engine.radix_tree import RadixTree
+from engine.caches.radix_tree import RadixTree
 from tiny_models import build_tiny_model
 
 # -- the radix tree alone (payloads are plain lists standing for KV segments) -----------
@@ -186,7 +186,7 @@ def test_corrupt_and_truncated_files_are_skipped(tiny_model_dir, plain, tmp_path
     prompts = [rand_tokens(200, 70), rand_tokens(200, 71)]
     files = _written(tiny_model_dir, tmp_path, prompts, plain)
     by_first = {}
-    from engine.kv_disk import read_tokens
+    from engine.caches.kv_disk import read_tokens
 
     for f in files:
         by_first[read_tokens(f)[0]] = f

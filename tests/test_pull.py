@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from engine.heads.export import dflash_config, random_head_checkpoint
+from engine.drafting.heads.export import dflash_config, random_head_checkpoint
 from fake_hub import FakeHub
 
 REPO = "mlx-community/Qwen3-4B-4bit"  # a registered target: its DFlash head is z-lab/Qwen3-4B-DFlash-b16

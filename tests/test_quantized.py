@@ -19,8 +19,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load as mlx_lm_load
 
 from engine import Engine
-from engine.cost_curve import CostCurve, curve_key, measure_cost_curve
-from engine.draft_control import DraftController
+from engine.tuning.cost_curve import CostCurve, curve_key, measure_cost_curve
+from engine.tuning.draft_control import DraftController
 from engine.engine import engine_stream
 from test_lossless import corrupt, lookup_ids
 from tiny_models import WINDOW, build_family_model, build_tiny_model
@@ -31,7 +31,7 @@ MAX_TOKENS = 32
 @pytest.fixture(autouse=True)
 def stay_quantized(monkeypatch):
     """These tests are about quantised compute: a CPU would otherwise run these small models
-    on their dequantized weights (engine/target.py `dequantize_here`)."""
+    on their dequantized weights (engine/model/target.py `dequantize_here`)."""
     monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
 
 
@@ -121,7 +121,7 @@ def test_small_quantized_model_runs_dequantized_on_cpu(tmp_path, monkeypatch):
     """On a CPU a small quantised model runs on its dequantized weights (the same values,
     BLAS speed): the target says so, its identity (cache keys) differs from the quantised
     run's, and lookup decoding equals mlx-lm's greedy decoding of the dequantized model."""
-    from engine.target import load_target
+    from engine.model.target import load_target
 
     path = quantise(build_tiny_model(tmp_path / "src", arch="qwen3", seed=2), tmp_path / "q", 8)
     monkeypatch.delenv("MLX_DSPARK_DEQUANTIZE")

@@ -7,9 +7,9 @@ import json
 import logging
 from types import SimpleNamespace
 
-from engine.heads import registry
-from engine.heads.export import dflash_config, random_head_checkpoint
-from engine.heads.loading import load_head
+from engine.drafting.heads import registry
+from engine.drafting.heads.export import dflash_config, random_head_checkpoint
+from engine.drafting.heads.loading import load_head
 
 
 def test_rows_resolve_from_quantised_repo_names():

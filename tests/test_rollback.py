@@ -3,7 +3,7 @@
 A verify pass of k+1 tokens appends them to the window's buffer; when the draft is
 partly rejected, the next round must attend to exactly the keys plain decoding would
 have: the kept tokens and the window before them, never a rejected token. Before
-engine/rollback.py a draft that pushed the buffer past its window could not be taken
+engine/caches/rollback.py a draft that pushed the buffer past its window could not be taken
 back at all (the request failed), and a prompt longer than the window was decoded
 without drafts.
 """
@@ -70,7 +70,7 @@ def test_prompt_longer_than_the_window_drafts(swa_engine, plen):
 def test_window_layer_keeps_exactly_the_kept_tokens(before, fed, kept):
     """Layer level: after feeding `fed` tokens and keeping `kept`, the next token sees
     the same keys (in the same order) as a cache that was fed only the kept ones."""
-    from engine.rollback import mark, take_back
+    from engine.caches.rollback import mark, take_back
 
     mx.random.seed(before)
     kv = mx.random.normal((1, 1, before + fed + 1, 4))
@@ -110,7 +110,7 @@ def _in_order(cache, keys):
 def test_one_token_pass_on_a_window_is_taken_back(before):
     """A one-token update rotates the window's buffer in place; taking it back restores
     exactly what was there (the cost curve undoes width-1 passes this way)."""
-    from engine.rollback import mark, take_back
+    from engine.caches.rollback import mark, take_back
 
     mx.random.seed(before)
     kv = mx.random.normal((1, 1, before + 2, 4))

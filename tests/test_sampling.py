@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine import Engine, GenerationRequest, SamplingParams
-from engine.sampling import accept_speculative, target_probs
+from engine.base.sampling import accept_speculative, target_probs
 from stats_util import chi_square_fits
 
 

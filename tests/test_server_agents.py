@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer, build_agent_sized_model, check_anthropic_stream, force_reply
 
 REPLY = "Hi from mlx-dspark."

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer
 
 A, O = "anthropic", "openai"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from agent_bridge import anthropic_api, openai_api, responses_api
-from agent_bridge.http_errors import ApiError
-from agent_bridge.tool_stream import Reply, Syntax, parse_reply
+from agent_bridge.apis import anthropic_api
+from agent_bridge.apis import openai_api
+from agent_bridge.apis import responses_api
+from agent_bridge.chat.http_errors import ApiError
+from agent_bridge.chat.tool_stream import Reply, Syntax, parse_reply
 
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
@@ -117,7 +119,7 @@ def test_openai_and_responses_translation():
 
 
 def test_heartbeat_only_while_nothing_is_emitted():
-    from agent_bridge.job_stream import Heartbeat
+    from agent_bridge.serving.job_stream import Heartbeat
 
     beat = Heartbeat(every_s=0.0)
     assert beat.due(False) and not beat.due(True) and beat.due(False)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer, check_anthropic_stream, sse_events
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # ~400 tokens: ~50 prefill steps of 8

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer, check_anthropic_stream
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -35,7 +35,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 def forced_engine(tmp_path_factory):
     import forced_model
     from engine import Engine
-    from engine.chat import render_chat
+    from engine.base.chat import render_chat
 
     def render_with_tools(tok, messages):  # the server renders the offered tools into the prompt
         tools = OPENAI_TOOLS if messages[-1]["content"] == ASK_TOOL else None

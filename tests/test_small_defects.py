@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_ld_preload_not_leaked_to_children(tmp_path):
     # item 9: the OpenBLAS re-exec must not hand LD_PRELOAD to the programs we start
-    from engine.platform import find_openblas
+    from engine.base.platform import find_openblas
 
     if sys.platform != "linux" or find_openblas() is None:
         pytest.skip("no OpenBLAS to preload here")
@@ -23,7 +23,7 @@ def test_ld_preload_not_leaked_to_children(tmp_path):
     script.write_text(
         "import json, os, subprocess, sys\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from engine.platform import ensure_fast_blas, loaded_blas\n"
+        "from engine.base.platform import ensure_fast_blas, loaded_blas\n"
         "ensure_fast_blas()\n"
         "import mlx.core\n"
         "child = subprocess.run(['sh', '-c', 'echo \"$LD_PRELOAD\"'], capture_output=True, text=True).stdout.strip()\n"
@@ -120,8 +120,8 @@ def test_serve_on_non_loopback_needs_key_or_insecure(capsys):
 
 def test_stop_sequences_must_be_a_list():
     # item 10: Anthropic's stop_sequences is an array; OpenAI's stop may be a string
-    from agent_bridge.anthropic_api import parse_request as parse_anthropic
-    from agent_bridge.http_errors import ApiError
+    from agent_bridge.apis.anthropic_api import parse_request as parse_anthropic
+    from agent_bridge.chat.http_errors import ApiError
 
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": "END"}
     with pytest.raises(ApiError) as e:
@@ -135,7 +135,7 @@ def test_atomic_write_syncs_the_folder(tmp_path, monkeypatch):
     # item 10: without a directory fsync the rename can be lost at a power cut
     import stat
 
-    from agent_bridge.workspace import write_atomic
+    from agent_bridge.mcp.workspace import write_atomic
 
     synced = []
     real_fsync = os.fsync
@@ -151,8 +151,8 @@ def test_atomic_write_syncs_the_folder(tmp_path, monkeypatch):
 
 def test_stats_are_summed_one_way():
     # item 10: events.Stats, mcp_server.merge_stats and mcp_backends.Totals each summed stats
-    import agent_bridge.mcp_backends as backends
-    import agent_bridge.mcp_server as mcp_server
+    import agent_bridge.mcp.backends as backends
+    import agent_bridge.mcp.server as mcp_server
     from engine import Stats
 
     a = {"mode": "lookup", "prompt_tokens": 10, "generated_tokens": 30, "rounds": 10, "drafted_tokens": 40,
@@ -169,8 +169,8 @@ def test_dead_code_is_gone():
     import inspect
 
     from engine import Engine
-    from engine.kv_disk import DiskTier
-    from engine.radix_tree import RadixTree
+    from engine.caches.kv_disk import DiskTier
+    from engine.caches.radix_tree import RadixTree
 
     assert not hasattr(RadixTree, "prefix_key") and not hasattr(DiskTier, "has")
     assert "owner" not in inspect.signature(Engine._enqueue).parameters

@@ -16,7 +16,7 @@ import anthropic
 import openai
 import pytest
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 from server_harness import RunningServer
 
 SOAK_S = float(os.environ.get("MLX_DSPARK_SOAK_S", "30"))

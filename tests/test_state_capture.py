@@ -1,4 +1,4 @@
-"""Per-position recurrent state capture (engine/state_capture.py) against snapshot + replay.
+"""Per-position recurrent state capture (engine/caches/state_capture.py) against snapshot + replay.
 
 Every recurrent family is a tiny random model built from mlx-lm's own class
 (tests/tiny_models.py). Checked: the state a capture restores after j accepted tokens is
@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 
 from engine import Engine, SamplingParams
-from engine.cost_curve import (
+from engine.tuning.cost_curve import (
     CostCurve,
     curve_key,
     measure_cost_curve,
@@ -26,10 +26,11 @@ from engine.cost_curve import (
     save_cost_curve,
     state_rollback,
 )
-from engine import gated_delta_chunked, state_capture
-from engine.rollback import leaves, mark, needs_replay, take_back
-from engine.state_capture import Capture, bind, recording
-from engine.target import load_target
+from engine.kernels import gated_delta_chunked
+from engine.caches import state_capture
+from engine.caches.rollback import leaves, mark, needs_replay, take_back
+from engine.caches.state_capture import Capture, bind, recording
+from engine.model.target import load_target
 from test_lossless import corrupt, lookup_ids, mlx_lm_greedy
 from test_sampling import check_engine_sampling
 from tiny_models import WINDOW, build_family_model, family_installed
@@ -67,7 +68,7 @@ def _slots(cache) -> list:
 @pytest.fixture
 def step_loop():
     """Gated DeltaNet one position at a time in every pass (a recorded pass always is), so the
-    capture and the replay can be compared bit for bit (engine/gated_delta_chunked.py)."""
+    capture and the replay can be compared bit for bit (engine/kernels/gated_delta_chunked.py)."""
     with gated_delta_chunked.disabled():
         yield
 
@@ -220,7 +221,7 @@ def test_measured_curve_records_both_ways_and_uses_the_cheaper(models, tiny_mode
 
 
 def test_roofline_reports_the_pick(models, cache_home):
-    from engine.roofline import roofline
+    from engine.tuning.roofline import roofline
 
     target = load_target(models("lfm2"))
     rows = {"capture": [[0.01, 0.012, 0.02]], "replay": [[0.01, 0.02, 0.05]]}

@@ -26,7 +26,7 @@ def blocked_while_locked(engine, fn) -> bool:
 
 
 def test_mcp_backend_uses_the_engine_lock(tiny_engine):
-    from agent_bridge.mcp_backends import EngineBackend
+    from agent_bridge.mcp.backends import EngineBackend
 
     backend = EngineBackend(tiny_engine)
     messages = [{"role": "user", "content": "hello there"}]
@@ -37,8 +37,8 @@ def test_mcp_backend_uses_the_engine_lock(tiny_engine):
 def test_server_paths_use_the_engine_lock(tiny_engine):
     import asyncio
 
-    from agent_bridge.chat_request import ChatRequest
-    from agent_bridge.job_stream import Bridge
+    from agent_bridge.chat.chat_request import ChatRequest
+    from agent_bridge.serving.job_stream import Bridge
 
     bridge = Bridge.for_engine(tiny_engine, None, 64)
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}])

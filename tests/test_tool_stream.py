@@ -11,7 +11,7 @@ import re
 import pytest
 from reply_recordings import CASES, MARKUP, TOOLS
 
-from agent_bridge.tool_stream import CallArgs, CallEnd, CallStart, Reply, Syntax, parse_reply
+from agent_bridge.chat.tool_stream import CallArgs, CallEnd, CallStart, Reply, Syntax, parse_reply
 
 
 def blocks(reply: Reply) -> list[tuple]:

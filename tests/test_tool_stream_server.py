@@ -19,8 +19,8 @@ from reply_recordings import CASES, MARKUP, TOOLS
 from scripted_model import script_engine
 from server_harness import RunningServer, check_anthropic_stream
 
-from agent_bridge.server import create_app
-from agent_bridge.tool_stream import Syntax
+from agent_bridge.app import create_app
+from agent_bridge.chat.tool_stream import Syntax
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -167,7 +167,7 @@ def test_thinking_signature_round_trip(scripted, claude):
     answer = claude.messages.create(model="m", max_tokens=5, messages=forged, tools=ANTHROPIC_TOOLS)
     assert any("did not sign" in n for n in answer.model_extra["mlx_dspark"]["notes"])
     # what reaches the template: the echoed reasoning, not the forged one
-    from agent_bridge.anthropic_api import parse_request
+    from agent_bridge.apis.anthropic_api import parse_request
 
     bridge = scripted[2]
     ok = parse_request({"model": "m", "max_tokens": 5, "messages": history}, 5, signer=bridge.signer)

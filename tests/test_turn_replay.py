@@ -16,7 +16,7 @@ from reply_recordings import CASES, TOOLS
 from scripted_model import MARKER, script_engine
 from server_harness import RunningServer
 
-from agent_bridge.server import create_app
+from agent_bridge.app import create_app
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
 ASK = [{"role": "user", "content": "Do it."}]

@@ -83,7 +83,7 @@ def mlx_vlm_reference(vlm_dir, engine, messages, images: list[bytes], max_tokens
     from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    from engine.chat import chat_text
+    from engine.base.chat import chat_text
 
     model, processor = load(str(vlm_dir))
     text = chat_text(engine.tokenizer, messages)
@@ -201,7 +201,7 @@ def test_bad_images_are_request_errors(engine):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from server_harness import RunningServer
 
     with RunningServer(create_app(engine)) as srv:
@@ -276,12 +276,12 @@ def test_a_vlm_without_its_vision_half_answers_with_placeholders(vlm_dir, monkey
     serves, and images become placeholders listed in omitted_content, as for a text model."""
     import anthropic
 
-    import engine.vision
-    from agent_bridge.server import create_app
+    import engine.model.vision
+    from agent_bridge.app import create_app
     from engine import Engine
     from server_harness import RunningServer
 
-    monkeypatch.setattr(engine.vision, "SUPPORTED", ())
+    monkeypatch.setattr(engine.model.vision, "SUPPORTED", ())
     with Engine(str(vlm_dir)) as e, RunningServer(create_app(e)) as srv:
         assert not e.reads_images
         client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
@@ -392,7 +392,7 @@ def test_qwen3_vl_image_requests_through_the_clients(qwen):
     import anthropic
     import openai
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from server_harness import RunningServer
 
     with RunningServer(create_app(qwen)) as srv:
@@ -482,8 +482,8 @@ def test_gemma4_prefill_chunks_leave_mlx_vlms_cache(gemma4):
     mlx-vlm's own forward over the whole prompt from position 0 (its bidirectional image block)."""
     import mlx.core as mx
 
-    from engine.verify import prefill
-    from engine.vision import prefill_chunks
+    from engine.decoding.verify import prefill
+    from engine.model.vision import prefill_chunks
 
     _, ids, images = ask(gemma4, "What is in the image?", [RED])
     (start, end), = images.spans
@@ -548,7 +548,7 @@ def test_gemma4_sliding_window_shorter_than_an_image(tmp_path):
 def test_gemma4_image_through_the_openai_client(gemma4):
     import openai
 
-    from agent_bridge.server import create_app
+    from agent_bridge.app import create_app
     from server_harness import RunningServer
 
     with RunningServer(create_app(gemma4)) as srv:

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from engine import Engine, GenerationRequest
-from engine.lookup import ContextIndexCache, TokenIndex
-from engine.radix_tree import common_prefix
-from engine.piece_encoder import PieceEncoder
+from engine.drafting.lookup import ContextIndexCache, TokenIndex
+from engine.caches.radix_tree import common_prefix
+from engine.base.piece_encoder import PieceEncoder
 
 from test_prefix_cache import gen, rand_tokens, same
 
@@ -25,7 +25,7 @@ def _tokenizer(path):
 
 
 def _bundled_tokenizer():
-    from engine.models import default_model_path
+    from engine.base.bundled import default_model_path
 
     return _tokenizer(default_model_path())
 
@@ -59,8 +59,8 @@ def test_piece_encoder_equals_full_encode(which, tiny_model_dir):
 
 
 def test_piece_encoder_on_claude_code_fixture(fixtures_dir):
-    from agent_bridge.anthropic_api import parse_request
-    from agent_bridge.chat_request import fold_system_messages
+    from agent_bridge.apis.anthropic_api import parse_request
+    from agent_bridge.chat.chat_request import fold_system_messages
 
     tok = _bundled_tokenizer()
     enc = PieceEncoder(tok, checks=0)

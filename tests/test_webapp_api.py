@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from agent_bridge.server import create_app
-from agent_bridge.telemetry import client_name
+from agent_bridge.app import create_app
+from agent_bridge.serving.telemetry import client_name
 from server_harness import RunningServer, sse_events
 
 KEY = "k-webapp"
@@ -225,7 +225,7 @@ def test_telemetry_sees_mcp_tool_jobs(tiny_engine, tmp_path):
 
     from mcp import Client
 
-    from agent_bridge.mcp_server import http_mount
+    from agent_bridge.mcp.server import http_mount
 
     routes, lifespan = http_mount(tiny_engine, root=tmp_path)
     with RunningServer(create_app(tiny_engine, extra_routes=routes, lifespan=lifespan)) as srv:

@@ -205,8 +205,8 @@ def encode_segments(tok, segments: list[tuple[str, bool]], focus: tuple[str, ...
 
 def render_request(tokenizer, body: dict) -> str:
     """The text our server feeds the model for an Anthropic request body."""
-    from agent_bridge.anthropic_api import parse_request
-    from engine.chat import chat_text
+    from agent_bridge.apis.anthropic_api import parse_request
+    from engine.base.chat import chat_text
 
     r = parse_request(body, 4096)
     return chat_text(tokenizer, r.messages, r.tools, **r.template_kwargs)

@@ -8,8 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+from agent_bridge.commands import CommandError
+
 AGENT_SESSION = Path(__file__).resolve().parents[2].parent / "shared/fixtures/claude-code/rename-session.jsonl"
-# engine.benchmark's names, repeated here so that building the parser doesn't import MLX
+# engine.bench.benchmark's names, repeated here so that building the parser doesn't import MLX
 CONTENTS = ("chat", "code", "math", "refactor", "edit", "agent", "long")
 DEFAULT_CONTENTS = ("chat", "code", "math", "refactor", "edit", "agent")
 CONCURRENCY_CONTENTS = ("chat", "refactor")
@@ -63,8 +65,8 @@ def _end_progress() -> None:
 def agent_turns(engine, path: Path, nonce: str) -> list[list[int]]:
     """Each recorded request rendered as the server renders it, the run's nonce leading the
     system prompt so that the first turn is cold in every cache (RAM or disk)."""
-    from agent_bridge.anthropic_api import parse_request
-    from agent_bridge.chat_request import render
+    from agent_bridge.apis.anthropic_api import parse_request
+    from agent_bridge.chat.chat_request import render
 
     turns = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -81,7 +83,6 @@ def agent_turns(engine, path: Path, nonce: str) -> list[list[int]]:
 
 
 def build_contents(engine, args: argparse.Namespace, names: list[str]) -> list:
-    from agent_bridge.cli import CommandError
     from engine import BenchContent, build_bench_content, run_nonce
 
     contents = []
@@ -112,8 +113,6 @@ def build_contents(engine, args: argparse.Namespace, names: list[str]) -> list:
 
 
 def _ints(value: str, flag: str) -> list[int]:
-    from agent_bridge.cli import CommandError
-
     try:
         return [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
@@ -121,8 +120,6 @@ def _ints(value: str, flag: str) -> list[int]:
 
 
 def _names(value: str, allowed, flag: str) -> list[str]:
-    from agent_bridge.cli import CommandError
-
     names = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [n for n in names if n not in allowed]
     if unknown or not names:
@@ -131,10 +128,9 @@ def _names(value: str, allowed, flag: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError
     from engine import BENCH_CONTENTS, Engine, available_modes, format_bench_table, run_benchmark
 
-    from .common import parse_max_draft
+    from agent_bridge.commands.common import parse_max_draft
 
     max_draft = parse_max_draft(args.max_draft)
     if args.trials < 1:
@@ -184,14 +180,13 @@ def _tune(engine) -> None:
 
 
 def run_concurrency(args: argparse.Namespace, max_draft) -> int:
-    """`--concurrency`: N requests at once against the same N one at a time (engine/concurrency_bench.py)."""
-    from agent_bridge.cli import CommandError
+    """`--concurrency`: N requests at once against the same N one at a time (engine/bench/concurrency_bench.py)."""
     from engine import Engine, available_modes, describe_platform, surface_for
-    from engine.benchmark import _load_average
-    from engine.concurrency_bench import CONCURRENT_CONTENTS, format_rows, row_line
-    from engine.concurrency_bench import run_concurrency as run_levels
-    from engine.cost_curve import device_name
-    from engine.modes import resolve_mode
+    from engine.bench.benchmark import _load_average
+    from engine.bench.concurrency_bench import CONCURRENT_CONTENTS, format_rows, row_line
+    from engine.bench.concurrency_bench import run_concurrency as run_levels
+    from engine.base.platform import device_name
+    from engine.drafting.modes import resolve_mode
 
     levels = _ints(args.concurrency, "--concurrency")
     if not levels or min(levels) < 1:

@@ -20,11 +20,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from agent_bridge.commands import CommandError
+
 REPO_CLAUDE = Path(__file__).resolve().parents[2] / ".node" / "node_modules" / ".bin" / "claude"
 
 
 def add_parser(sub) -> None:
-    from agent_bridge.clients import DEFAULT_MAX_OUTPUT, DEFAULT_PORT
+    from agent_bridge.integrate.clients import DEFAULT_MAX_OUTPUT, DEFAULT_PORT
 
     p = sub.add_parser("claude", help="run Claude Code on the local model (starts the server if needed)",
                        allow_abbrev=False, description=__doc__.split("\n\n")[1])
@@ -55,8 +57,6 @@ def find_claude(given: str | None) -> str | None:
 
 def start_server(args: argparse.Namespace, url: str) -> dict:
     """Start `mlx-dspark serve` detached, log to a file, wait for /health with progress."""
-    from agent_bridge.cli import CommandError
-
     log_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-dspark"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"serve-{args.port}.log"
@@ -87,7 +87,7 @@ def start_server(args: argparse.Namespace, url: str) -> dict:
 
 
 def claude_environment(base: dict, info: dict, args: argparse.Namespace) -> dict:
-    from agent_bridge.clients import DEFAULT_CONTEXT, Options, claude_env
+    from agent_bridge.integrate.clients import DEFAULT_CONTEXT, Options, claude_env
 
     context = int(info.get("context_window") or DEFAULT_CONTEXT)
     opts = Options(port=args.port, host=args.host, model=str(info.get("model") or "mlx-dspark"),
@@ -99,8 +99,6 @@ def claude_environment(base: dict, info: dict, args: argparse.Namespace) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError
-
     if not 0 < args.port < 65536:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
     claude = find_claude(args.claude_bin)

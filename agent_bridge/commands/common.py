@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from agent_bridge.commands import CommandError
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and decoding")
@@ -32,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_max_edit_hunks(parser: argparse.ArgumentParser) -> None:
-    from agent_bridge.edits import DEFAULT_MAX_EDIT_HUNKS
+    from agent_bridge.mcp.edits import DEFAULT_MAX_EDIT_HUNKS
 
     parser.add_argument("--max-edit-hunks", type=int, default=DEFAULT_MAX_EDIT_HUNKS, metavar="N",
                         help="MCP edit_file writes a change of at most N diff hunks; a larger one is "
@@ -40,11 +42,9 @@ def add_max_edit_hunks(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_max_draft(value: str | None) -> int | str | None:
-    from agent_bridge.cli import CommandError
-
     if value is None:
         return None
-    if value == "auto":  # adapt per round from the measured cost curve (engine/cost_curve.py, engine/draft_control.py)
+    if value == "auto":  # adapt per round from the measured cost curve (engine/tuning/cost_curve.py, engine/tuning/draft_control.py)
         return "auto"
     try:
         n = int(value)
@@ -71,9 +71,8 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
     """The engine the flags describe; `persistent` (serve, mcp) keeps a disk tier by default."""
     import sys
 
-    from agent_bridge.cli import CommandError
     from engine import DEFAULT_MAX_DRAFT, Engine, slow_blas_warning
-    from engine.loop_guard import DEFAULT_WINDOW as DEFAULT_LOOP_GUARD
+    from engine.base.loop_guard import DEFAULT_WINDOW as DEFAULT_LOOP_GUARD
 
     warning = slow_blas_warning()
     if warning:

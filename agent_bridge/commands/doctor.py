@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from agent_bridge.commands import CommandError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="report backend, device, BLAS, dtype, fixes and the roofline")
@@ -21,7 +23,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError
     from engine import describe_platform
 
     full = ()
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     roof, problem, prefill, surface = None, None, None, None
     if not args.no_model:
         from engine import Engine, EngineError, machine_report, prefill_report
-        from engine.batch_cost import quick_surface
+        from engine.tuning.batch_cost import quick_surface
 
         try:
             with Engine(args.model, prefix_cache=False) as engine:
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                   f"state capture or a replay; verify cost with half taken back: {costs})")
         print(f"{'curve':>14}: {roof['curve']}")
     if surface:
-        from .tune import surface_lines
+        from agent_bridge.commands.tune import surface_lines
 
         print()
         print("\n".join(surface_lines(surface)))

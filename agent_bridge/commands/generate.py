@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_engine_args, engine_from_args
+from agent_bridge.commands import CommandError
+from agent_bridge.commands.common import add_engine_args, engine_from_args
 
 
 def add_parser(sub) -> None:
@@ -29,8 +30,6 @@ def add_parser(sub) -> None:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    from agent_bridge.cli import CommandError
-
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file == "-":

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from pathlib import Path
+
+from agent_bridge.commands import CommandError
 
 
 def add_parser(sub) -> None:
-    from agent_bridge.clients import CLIENTS, DEFAULT_PORT, PARTS
+    from agent_bridge.integrate.clients import CLIENTS, DEFAULT_PORT, PARTS
 
     p = sub.add_parser("integrate", help="configure an agent or editor: " + ", ".join(CLIENTS))
     p.add_argument("client", choices=sorted(CLIENTS), metavar="CLIENT", help=", ".join(CLIENTS))
@@ -29,16 +30,9 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def mcp_command() -> str:
-    """The absolute path of this `mlx-dspark`, so editors that don't share your PATH find it."""
-    exe = Path(sys.executable).parent / "mlx-dspark"
-    return str(exe) if exe.exists() else (shutil.which("mlx-dspark") or "mlx-dspark")
-
-
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError
-    from agent_bridge.clients import PARTS, Options, claude_hooks_dir, targets
-    from agent_bridge.config_files import ConfigError, dumps, merge_into_file
+    from agent_bridge.integrate.clients import PARTS, Options, claude_hooks_dir, mcp_command, targets
+    from agent_bridge.integrate.config_files import ConfigError, dumps, merge_into_file
 
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts or parts - set(PARTS):
@@ -74,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"wrote {t.path}" + (f" (backup: {backup})" if backup else " (new file)"))
     if args.client == "claude-code" and "hooks" in parts:
-        from agent_bridge.clients import HOOK_SCRIPTS, HOOKS_DIR
+        from agent_bridge.integrate.clients import HOOK_SCRIPTS, HOOKS_DIR
 
         dest = claude_hooks_dir(opts)
         dest.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ import argparse
 import contextlib
 import sys
 
-from .common import add_engine_args, add_max_edit_hunks, engine_from_args
+from agent_bridge.commands import CommandError
+from agent_bridge.commands.common import add_engine_args, add_max_edit_hunks, engine_from_args
 
 
 def add_parser(sub) -> None:
@@ -21,10 +22,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError
-    from agent_bridge.mcp_backends import EngineBackend, HTTPBackend
-    from agent_bridge.mcp_server import build_server
-    from agent_bridge.workspace import Workspace, WorkspaceError
+    from agent_bridge.mcp.backends import EngineBackend, HTTPBackend
+    from agent_bridge.mcp.server import build_server
+    from agent_bridge.mcp.workspace import Workspace, WorkspaceError
 
     if args.max_edit_hunks < 1:
         raise CommandError("--max-edit-hunks must be >= 1")

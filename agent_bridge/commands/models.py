@@ -50,7 +50,7 @@ def format_table(models: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.model_catalog import find_models
+    from engine.catalog.model_catalog import find_models
 
     models = [m.to_dict() for m in find_models(args.models_dir)]
     if args.json:

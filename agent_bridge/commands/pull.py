@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.model_pull import pull
+    from engine.catalog.model_pull import pull
 
     if args.json:
         lock = threading.Lock()  # downloads run in threads: one whole line at a time

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_engine_args, add_max_edit_hunks, engine_from_args
-from .models import add_models_dir_arg
+from agent_bridge.commands import CommandError
+from agent_bridge.commands.common import add_engine_args, add_max_edit_hunks, engine_from_args
+from agent_bridge.commands.models import add_models_dir_arg
 
 
 def add_parser(sub) -> None:
-    from agent_bridge.job_stream import DEFAULT_MAX_QUEUE
-    from agent_bridge.server import DEFAULT_HOST, DEFAULT_MAX_TOKENS, DEFAULT_PORT
+    from agent_bridge.serving.job_stream import DEFAULT_MAX_QUEUE
+    from agent_bridge.app import DEFAULT_HOST, DEFAULT_MAX_TOKENS, DEFAULT_PORT
 
     p = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Responses APIs")
     add_engine_args(p)
@@ -55,8 +56,7 @@ def is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError
-    from agent_bridge.server import serve
+    from agent_bridge.app import serve
 
     if not 0 < args.port < 65536:
         raise CommandError(f"--port must be 1-65535, not {args.port}")
@@ -84,12 +84,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens, max batch {engine.max_batch}"
               f"{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)
-        from agent_bridge.model_registry import EngineHandle
+        from agent_bridge.serving.model_registry import EngineHandle
 
         handle = EngineHandle(engine)  # the MCP tools follow a model switch
         mcp_routes, mcp_lifespan = (), None
         if not args.no_mcp:
-            from agent_bridge.mcp_server import http_mount
+            from agent_bridge.mcp.server import http_mount
 
             mcp_routes, mcp_lifespan = http_mount(handle, root=args.root, host=args.host,
                                                    max_edit_hunks=args.max_edit_hunks)  # MCP at /mcp

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from agent_bridge.commands import CommandError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="measure this machine's verify cost curve for a model (cached)")
@@ -22,7 +24,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError
     from engine import Engine, best_draft_cap, curve_key, load_cost_curve, tune, tune_batch, tune_prefill
 
     kwargs = {}
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.acceptance <= 1.0:
         raise CommandError("--acceptance must be between 0 and 1")
 
-    from .benchmark import _end_progress, _progress
+    from agent_bridge.commands.benchmark import _end_progress, _progress
 
     try:
         with Engine(args.model, kv_bits=args.kv_bits, prefix_cache=False) as engine:

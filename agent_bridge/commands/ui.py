@@ -8,9 +8,11 @@ import argparse
 import threading
 import time
 
+from agent_bridge.commands import CommandError, serve
+
 
 def add_parser(sub) -> None:
-    from agent_bridge.server import DEFAULT_HOST, DEFAULT_PORT
+    from agent_bridge.app import DEFAULT_HOST, DEFAULT_PORT
 
     p = sub.add_parser("ui", help="open the web app in the browser (serving first if no server is running)")
     p.add_argument("--host", default=DEFAULT_HOST)
@@ -36,14 +38,15 @@ def _open(url: str, no_browser: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.cli import CommandError, build_parser
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
     if _answers(url):
         _open(url + "/", args.no_browser)
         return 0
-    serve_args = build_parser().parse_args(["serve", "--host", args.host, "--port", str(args.port), *args.passthrough])
+    serve_parser = argparse.ArgumentParser(prog="mlx-dspark")
+    serve.add_parser(serve_parser.add_subparsers())
+    serve_args = serve_parser.parse_args(["serve", "--host", args.host, "--port", str(args.port), *args.passthrough])
     if not hasattr(serve_args, "run"):
         raise CommandError("serve did not parse")
 

@@ -39,7 +39,7 @@ def retune(engine: Any, depths: list[int] | None, repeats: int | None,
     kwargs = {k: v for k, v in (("depths", depths), ("repeats", repeats)) if v}
     kv_bits = getattr(engine, "kv_bits", None)
     engine.call(lambda t: tune(t, kv_bits, refresh=True, on_progress=on_progress, **kwargs))
-    importlib.import_module("engine.cost_curve")._memo.clear()  # the per-process memo of the curve
+    importlib.import_module("engine.tuning.cost_curve")._memo.clear()  # the per-process memo of the curve
     return cost_curve(engine)
 
 

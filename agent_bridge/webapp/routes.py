@@ -26,9 +26,9 @@ from starlette.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from ..http_errors import ApiError
-from ..job_stream import SSE_HEADERS, read_json, sse
-from . import engine_view
+from agent_bridge.chat.http_errors import ApiError
+from agent_bridge.serving.job_stream import SSE_HEADERS, read_json, sse
+from agent_bridge.webapp import engine_view
 
 STATIC_DIR = Path(__file__).parent / "static"
 STREAM_EVERY_S = 0.5  # telemetry snapshots at most this often
@@ -146,8 +146,7 @@ async def cache_clear(request: Request):
 
 
 def _integration_options(request: Request, scope: str, transport: str):
-    from ..clients import Options
-    from ..commands.integrate import mcp_command
+    from agent_bridge.integrate.clients import Options, mcp_command
 
     if scope not in ("project", "user"):
         raise ApiError(400, "scope: expected 'project' or 'user'", param="scope")
@@ -162,8 +161,8 @@ def _integration_options(request: Request, scope: str, transport: str):
 
 
 async def integrations(request: Request):
-    from ..clients import CLIENTS, targets
-    from ..config_files import dumps
+    from agent_bridge.integrate.clients import CLIENTS, targets
+    from agent_bridge.integrate.config_files import dumps
 
     q = request.query_params
     opts = _integration_options(request, q.get("scope", "project"), q.get("transport", "stdio"))
@@ -180,8 +179,8 @@ async def integration_write(request: Request):
     """Merge one client's config into place: `integrate CLIENT --write`'s merge and backup rules."""
     import shutil
 
-    from ..clients import CLIENTS, HOOK_SCRIPTS, HOOKS_DIR, claude_hooks_dir, targets
-    from ..config_files import ConfigError, merge_into_file
+    from agent_bridge.integrate.clients import CLIENTS, HOOK_SCRIPTS, HOOKS_DIR, claude_hooks_dir, targets
+    from agent_bridge.integrate.config_files import ConfigError, merge_into_file
 
     client = request.path_params["client"]
     if client not in CLIENTS:

@@ -2,7 +2,7 @@
 
     python training/heads/measure_heads.py [--trials 2] [--max-tokens 160] [--json OUT]
 
-Contents: the benchmark's chat, code and math prompts (engine/benchmark.py) and a
+Contents: the benchmark's chat, code and math prompts (engine/bench/benchmark.py) and a
 `continue_file` task on a standard-library module. Each is decoded greedily and sampled
 (temperature 0.8, fixed seeds) by the Engine in `baseline` (mlx-lm's generate_step: the
 peer), `lookup`, `dflash`, `dspark`, and the heads alone (`*-only`: the long-lookup-match
@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import engine.heads.drafter as head_drafter  # noqa: E402
+import engine.drafting.heads.drafter as head_drafter  # noqa: E402
 from engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
-from engine.benchmark import CHAT_PROMPT, CODE_PROMPT, MATH_PROMPT  # noqa: E402
+from engine.bench.benchmark import CHAT_PROMPT, CODE_PROMPT, MATH_PROMPT  # noqa: E402
 
 
 def contents(engine) -> dict[str, list[int]]:

@@ -1,0 +1,1 @@
+"""Configuring agents and editors: the clients known, config files edited in place."""

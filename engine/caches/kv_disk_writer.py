@@ -1,0 +1,177 @@
+"""The disk tier's background writer: prefix-cache files written as segments are made.
+
+The engine thread hands over a file's arrays (already evaluated: the writer never runs
+MLX) and goes on; one writer thread writes them in order. Each file is written to a
+temp name, fsync'd, renamed to its final name (which carries the digest of its bytes)
+and the folder fsync'd, so a file either is whole under its final name or is not there.
+A process killed at any moment loses only what was still queued; a torn temp file is
+never read (kv_disk skips it, and any file whose digest does not match).
+
+The queue is bounded (bytes) and coalesced (one entry per file name: the same segment
+queued twice is written once). When full, new files are refused (they stay in RAM and
+are offered again on eviction or close). The first write that fails (full disk, read-only
+folder, file-size limit) logs one warning and turns writing off; serving goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from engine.base.files import fsync_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_BYTES = 1 << 30
+_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int32": "I32", "uint32": "U32",
+           "int64": "I64", "uint64": "U64", "int16": "I16", "uint16": "U16", "int8": "I8", "uint8": "U8",
+           "bool": "BOOL", "float64": "F64"}
+
+
+@dataclass
+class FileJob:
+    name: str  # the final file name in the writer's folder, less the digest and suffix
+    tensors: list[tuple[str, str, tuple[int, ...], memoryview]]  # (name, safetensors dtype, shape, bytes)
+    metadata: dict[str, str]
+    on_written: Callable[[Path, str, int], None]  # (final path, digest, size), on the writer thread
+    nbytes: int = 0
+
+
+def host_tensor(name: str, a) -> tuple[str, str, tuple[int, ...], memoryview]:
+    """An evaluated mx.array as bytes the writer can read without MLX (a view, no copy)."""
+    import mlx.core as mx
+
+    dtype = str(a.dtype).replace("mlx.core.", "")
+    if dtype == "bfloat16":  # numpy has no bfloat16: the same bits as uint16
+        a = a.view(mx.uint16)
+        mx.eval(a)
+    arr = np.asarray(a)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return name, _DTYPES[dtype], tuple(arr.shape), memoryview(arr).cast("B")
+
+
+def safetensors_parts(tensors, metadata: dict[str, str]) -> list:
+    """The byte runs of a safetensors file (header, then each tensor's data)."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, dtype, shape, data in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as the format recommends
+    return [struct.pack("<Q", len(raw)), raw, *(data for *_, data in tensors)]
+
+
+def write_atomic(folder: Path, name: str, parts: list, suffix: str) -> tuple[Path, str, int]:
+    """Write parts to <folder>/<name>_<digest><suffix> durably; returns (path, digest, size)."""
+    tmp = folder / f".tmp-{uuid.uuid4().hex}{suffix}"
+    h = hashlib.blake2b(digest_size=16)
+    size = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+                h.update(part)
+                size += len(part) if isinstance(part, bytes) else part.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        digest = h.hexdigest()
+        final = folder / f"{name}_{digest}{suffix}"
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    fsync_dir(folder)
+    return final, digest, size
+
+
+class DiskWriter:
+    def __init__(self, folder: Path, suffix: str, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
+        self.folder, self.suffix = folder, suffix
+        self.max_pending_bytes = max_pending_bytes
+        self.pending: collections.OrderedDict[str, FileJob] = collections.OrderedDict()
+        self.pending_bytes = 0
+        self.busy = False  # a job is being written
+        self.failed: str | None = None  # why writing is off
+        self.written = self.refused = 0
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mlx-dspark-kv-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: FileJob) -> bool:
+        """Queue a file; False when it can't be (writing off, queue full)."""
+        job.nbytes = sum(t[3].nbytes for t in job.tensors)
+        with self._cv:
+            if self.failed or self._stop:
+                return False
+            if job.name in self.pending:
+                return True
+            if self.pending and self.pending_bytes + job.nbytes > self.max_pending_bytes:
+                self.refused += 1
+                return False
+            self.pending[job.name] = job
+            self.pending_bytes += job.nbytes
+            self._cv.notify_all()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued is written (or writing is off); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not (self.pending or self.busy) or self.failed is not None, timeout)
+
+    def close(self, timeout: float | None = 60.0) -> bool:
+        done = self.flush(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self.pending or self._stop)
+                if not self.pending:
+                    return
+                _, job = self.pending.popitem(last=False)
+                self.pending_bytes -= job.nbytes
+                self.busy = True
+            try:
+                path, digest, size = write_atomic(self.folder, job.name, safetensors_parts(job.tensors, job.metadata),
+                                                  self.suffix)
+                job.on_written(path, digest, size)
+                ok = True
+            except Exception as err:  # a full disk, a read-only folder, a size limit: serving goes on
+                ok = False
+                self._turn_off(err)
+            with self._cv:
+                self.busy = False
+                if ok:
+                    self.written += 1
+                self._cv.notify_all()
+
+    def _turn_off(self, err: Exception) -> None:
+        with self._cv:
+            first = self.failed is None
+            self.failed = str(err) or type(err).__name__
+            dropped = len(self.pending)
+            self.pending.clear()
+            self.pending_bytes = 0
+        if first:
+            log.warning("prefix cache: writing to %s failed (%s); the disk tier is off for this run "
+                        "(%d queued files dropped), serving goes on from RAM", self.folder, err, dropped)

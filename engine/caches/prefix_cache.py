@@ -1,0 +1,426 @@
+"""The prefix cache: reuse the KV state of earlier requests that share a prompt's prefix.
+
+Models whose cache can be cut per token keep a radix tree of KV segments (see
+radix_tree.py), bounded by a RAM budget with LRU eviction of leaves. Models with layers
+that can't be cut (sliding windows, recurrent layers) keep checkpoints at each prompt's
+end and each turn's end: their attention layers still put per-token segments in the tree
+(shared between branches), the other layers keep a whole copy of their state at that
+point. A prompt resumes from the longest checkpoint it starts with, so one that diverges
+mid-conversation resumes from the nearest checkpoint before the divergence. With a disk
+tier (kv_disk.py), segments and checkpoints are written by a background writer as they
+are made, and read back lazily after a restart. The last request's own cache stays live:
+the next turn that extends it continues it in place instead of assembling a copy from
+segments.
+
+Runs on the engine thread only; `stats()` reads plain counters and `flush()` waits for
+the writer, from any thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from engine.caches.kv_disk import DiskTier
+from engine.caches.kv_segments import (
+    build_cache,
+    cache_kind,
+    cache_offset,
+    check_segment,
+    cut_segment,
+    segment_nbytes,
+    segment_layers,
+    segment_signature,
+    slice_segment,
+    state_layers,
+)
+from engine.caches.radix_tree import Node, RadixTree, common_prefix, token_bytes
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def default_max_ram_bytes() -> int:
+    """min(8 GiB, a quarter of the machine's memory)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * GIB
+    return min(8 * GIB, total // 4)
+
+
+def default_max_disk_bytes(path: str | os.PathLike) -> int:
+    """min(16 GiB, a quarter of the free space where the cache lives)."""
+    p = Path(path).expanduser()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        free = 64 * GIB
+    return max(GIB // 4, min(16 * GIB, free // 4))
+
+
+def cache_identity(target, kv_bits: int | None) -> str:
+    """Target.identity plus what it leaves out: the weights (revision and digests), KV bits,
+    the MLX and mlx-lm versions. KV computed with other weights must never be reused, also
+    from the disk tier across restarts (a hub model re-uploaded with the same config)."""
+    import mlx_lm
+
+    blob = json.dumps(
+        {"target": target.identity, **weights_fingerprint(target.path), "kv_bits": kv_bits,
+         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "v": 2},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(path: str) -> dict:
+    """The snapshot revision and per-file digests of a model's weights.
+
+    A hub id is looked up in the local Hugging Face cache (offline), where each weights file
+    is a link to a blob named by its SHA-256; a plain directory's files are named by size
+    and modification time (hashing gigabytes at every start would cost more than it saves)."""
+    local = Path(path)
+    if not local.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+            from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+            local = Path(snapshot_download(path, local_files_only=True, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        except Exception as e:  # not in the cache: nothing to key on but the id
+            log.warning("cache identity: %s not found in the local hub cache (%s)", path, e)
+            return {"revision": None, "weights": []}
+    revision = local.name if local.parent.name == "snapshots" else None
+    weights = []
+    for f in sorted(local.glob("*.safetensors")):
+        real = f.resolve()
+        if f.is_symlink() and real.parent.name == "blobs":
+            weights.append([f.name, real.name])
+        else:
+            st = real.stat()
+            weights.append([f.name, st.st_size, st.st_mtime_ns])
+    return {"revision": revision, "weights": weights}
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        new_cache: Callable[[], list],
+        identity: str,
+        max_ram_bytes: int | None = None,
+        disk_dir: str | os.PathLike | None = None,
+        max_disk_bytes: int | None = None,
+    ):
+        self.new_cache = new_cache
+        self.identity = identity
+        self.kind = cache_kind(new_cache())
+        self.max_ram_bytes = default_max_ram_bytes() if max_ram_bytes is None else int(max_ram_bytes)
+        self.tree = RadixTree(cut_segment, segment_nbytes, seed=identity.encode())
+        self.checkpoints: dict[tuple, tuple[list, int]] = {}  # tokens -> (cache, last used)
+        self.checkpoint_bytes = self.checkpoint_tokens = 0
+        self.disk = None
+        if disk_dir is not None and self.kind in ("segments", "checkpoint"):
+            cap = default_max_disk_bytes(disk_dir) if max_disk_bytes is None else int(max_disk_bytes)
+            try:
+                self.disk = DiskTier(disk_dir, identity, cap)
+            except OSError as err:  # a read-only or unusable folder: serve from RAM
+                log.warning("prefix cache: no disk tier at %s (%s); serving goes on from RAM", disk_dir, err)
+        self._pinned: set[Node] = set()
+        # The last request's own cache and the tokens it holds: the next turn of an agent
+        # extends it, and continuing it in place saves assembling (copying) the whole prefix.
+        # Taken by acquire and given back by release, so it is never shared by two requests.
+        self.live: tuple[list[int], list] | None = None
+        self._signature = None  # this model's segment layout, to check loaded ones against
+        self.hits = self.misses = self.evictions = 0
+        self.cached_tokens_served = 0
+
+    # -- the engine's hooks -----------------------------------------------------------
+
+    def acquire(self, prompt: list[int]) -> tuple[list, int]:
+        """A cache holding the longest cached prefix of prompt[:-1], and its length."""
+        self._pinned.clear()  # a request that failed never released its pins
+        wanted = prompt[:-1]  # the last prompt token is fed by the first decode round
+        live, self.live = self.live, None
+        if self.kind == "segments" and wanted:
+            cache, n = self._acquire_segments(wanted, live)
+        elif self.kind == "checkpoint" and wanted:
+            cache, n = self._acquire_checkpoint(wanted)
+        else:
+            cache, n = self.new_cache(), 0
+        if n:
+            self.hits += 1
+            self.cached_tokens_served += n
+        else:
+            self.misses += 1
+        return cache, n
+
+    def release(self, tokens: list[int], cache: list) -> None:
+        """Remember the KV of the tokens the cache provably holds (its offset)."""
+        self._pinned.clear()
+        n = min(cache_offset(cache) or 0, len(tokens))
+        if n <= 0:
+            return
+        if self.kind == "segments":
+            kept = list(tokens[:n])
+            path = self.tree.insert(kept, lambda a, b: slice_segment(cache, a, b))
+            if path and self._signature is None:
+                self._signature = segment_signature(path[-1].payload)
+            for node in path:  # new segments go to disk now (a background writer), not at exit
+                self._to_disk(node)
+            self.live = (kept, cache)
+        elif self.kind == "checkpoint":
+            self.checkpoint(tokens[:n], cache)
+        self._evict()
+
+    def checkpoint(self, tokens: list[int], cache: list) -> None:
+        """Keep the state of a cache that holds exactly `tokens` ("checkpoint" kind only;
+        the engine calls it at each prompt's end, release at each turn's end)."""
+        if self.kind != "checkpoint" or not tokens or cache_offset(cache) != len(tokens):
+            return
+        attention = segment_layers(cache)
+        if attention:
+            for node in self.tree.insert(list(tokens), lambda a, b: slice_segment(attention, a, b)):
+                self._to_disk(node)
+        key = tuple(tokens)
+        if key not in self.checkpoints:
+            # copies: the request goes on writing into its cache (rotating buffers in place)
+            self._store_checkpoint(key, [copy.deepcopy(c) for c in state_layers(cache)])
+        self._evict()
+
+    def close(self) -> None:
+        """Write every segment held in RAM to the disk tier (if any)."""
+        self.live = None
+        if self.disk is not None:
+            for node in list(self.tree.nodes()):
+                self._to_disk(node)
+            self.disk.close()
+        self.tree = RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
+        self.checkpoints.clear()
+        self.checkpoint_bytes = self.checkpoint_tokens = 0
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every segment queued for the disk tier is written (any thread)."""
+        return self.disk.flush(timeout) if self.disk is not None else True
+
+    def stats(self) -> dict:
+        tokens = self.tree.n_tokens + self.checkpoint_tokens
+        ram = self.tree.nbytes + self.checkpoint_bytes
+        return {
+            "kind": self.kind,
+            "entries": self.tree.n_nodes + len(self.checkpoints),
+            "cached_tokens": tokens,
+            "ram_bytes": ram,
+            "max_ram_bytes": self.max_ram_bytes,
+            "bytes_per_token": round(ram / tokens, 1) if tokens else 0.0,
+            "disk_files": self.disk.files if self.disk else 0,
+            "disk_bytes": self.disk.nbytes if self.disk else 0,
+            "disk_writes": self.disk.writes if self.disk else 0,
+            "disk_loads": self.disk.loads if self.disk else 0,
+            "disk_skipped": self.disk.skipped if self.disk else 0,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "tokens_served": self.cached_tokens_served,
+        }
+
+    # -- segments (radix tree) --------------------------------------------------------
+
+    def _acquire_segments(self, wanted: list[int], live: tuple[list[int], list] | None) -> tuple[list, int]:
+        path = self._match(wanted)
+        n = sum(k for _, k in path)
+        if live is not None:
+            live_tokens, live_cache = live
+            m = common_prefix(live_tokens, wanted)
+            if m and m >= n and (m == len(live_tokens) or can_trim_prompt_cache(live_cache)):
+                trim_prompt_cache(live_cache, len(live_tokens) - m)  # no copy: continued in place
+                self._pinned.update(node for node, _ in path)
+                self.tree.touch(node for node, _ in path)
+                return live_cache, m
+        if not n:
+            return self.new_cache(), 0
+        self._pinned.update(node for node, _ in path)
+        self.tree.touch(node for node, _ in path)
+        parts = [node.payload for node, _ in path[:-1]]
+        last, k = path[-1]
+        parts.append(last.payload if k == len(last.tokens) else cut_segment(last.payload, 0, k))
+        cache = build_cache(self.new_cache(), parts)
+        self._evict()  # what came from disk may have pushed RAM past the budget
+        return cache, n
+
+    def _match(self, wanted: list[int]) -> list[tuple[Node, int]]:
+        """The tree's longest match, extended from the disk tier where that matches further."""
+        tried: set = set()
+        while True:
+            path = self.tree.match(wanted)
+            n = sum(k for _, k in path)
+            if self.disk is None or n == len(wanted):
+                return path
+            full = path if not path or path[-1][1] == len(path[-1][0].tokens) else path[:-1]
+            base = full[-1][0] if full else self.tree.root
+            pos = sum(k for _, k in full)
+            found = self.disk.best(base.key, wanted[pos:], tried)
+            if found is None or pos + found[1] <= n:
+                return path
+            entry, _ = found
+            tried.add(entry.path)
+            loaded = self.disk.load(entry)
+            if loaded is None:
+                continue
+            tokens, segment = loaded
+            try:
+                check_segment(segment, self._signature, len(tokens))
+            except ValueError as err:
+                self.disk._skip(entry, str(err))
+                continue
+            if self._signature is None:
+                self._signature = segment_signature(segment)
+            # Only the part the prompt matches: its node's key is then the one that files written
+            # after a split of this edge continue from (the file itself still holds it all).
+            k = found[1]
+            if k < len(tokens):
+                tokens, segment = tokens[:k], cut_segment(segment, 0, k)
+            nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 and b == len(tokens)
+                                     else cut_segment(segment, a, b), start=base)
+            if nodes and nodes[-1].parent is base and nodes[-1].tokens == tokens:
+                nodes[-1].on_disk = True  # whole, or recoverable from its file by a partial match
+
+    def _to_disk(self, node: Node) -> None:
+        if self.disk is not None and not node.on_disk:
+            node.on_disk = self.disk.write(node.parent.key, node.key, node.tokens, node.payload)
+
+    def _evict(self) -> None:
+        while self.tree.nbytes + self.checkpoint_bytes > self.max_ram_bytes:
+            if self.checkpoints:
+                self._drop_oldest_checkpoint()
+                continue
+            victim = self.tree.lru_leaf(self._pinned)
+            if victim is None:
+                return  # only the running request's path is left
+            self._to_disk(victim)
+            self.tree.remove_leaf(victim)
+            self.evictions += 1
+
+    # -- whole-state checkpoints --------------------------------------------------------
+
+    def _acquire_checkpoint(self, wanted: list[int]) -> tuple[list, int]:
+        cache = self.new_cache()
+        attention = segment_layers(cache)
+        # the attention layers' segments must cover the checkpoint (eviction may have cut them)
+        reach = sum(k for _, k in self._match(wanted)) if attention else len(wanted)
+        best = None
+        for tokens in self.checkpoints:
+            if len(tokens) <= reach and (best is None or len(tokens) > len(best)):
+                if list(tokens) == wanted[: len(tokens)]:
+                    best = tokens
+        if self.disk is not None:  # a longer one from an earlier run, loaded (and kept) only when it serves
+            entry = self.disk.best_checkpoint(wanted[:reach], len(best) if best else 0)
+            loaded = self.disk.load_checkpoint(entry, len(state_layers(cache))) if entry is not None else None
+            if loaded is not None:
+                best = tuple(entry.tokens)
+                self._store_checkpoint(best, loaded, to_disk=False)
+        if best is None:
+            return cache, 0
+        states, _ = self.checkpoints[best]
+        self.tree.clock += 1
+        self.checkpoints[best] = (states, self.tree.clock)
+        if attention:
+            path = self.tree.match(list(best))
+            self._pinned.update(node for node, _ in path)
+            self.tree.touch(node for node, _ in path)
+            parts = [node.payload for node, _ in path[:-1]]
+            last, k = path[-1]
+            parts.append(last.payload if k == len(last.tokens) else cut_segment(last.payload, 0, k))
+            build_cache(attention, parts)
+        for layer, saved in zip(state_layers(cache), states):
+            # a copy of the saved layer's fields: the request writes into its cache in place
+            layer.__dict__.update(copy.deepcopy(saved).__dict__)
+        return cache, len(best)
+
+    def _store_checkpoint(self, tokens: tuple, cache: list, to_disk: bool = True) -> None:
+        if tokens in self.checkpoints:
+            return
+        if to_disk and self.disk is not None:  # written now by the background writer
+            h = self.tree.root.hasher.copy()
+            h.update(token_bytes(list(tokens)))
+            self.disk.write_checkpoint(h.hexdigest(), list(tokens), cache)
+        self.tree.clock += 1
+        self.checkpoints[tokens] = (cache, self.tree.clock)
+        self.checkpoint_bytes += _cache_nbytes(cache)
+        self.checkpoint_tokens += len(tokens)
+
+    def _drop_oldest_checkpoint(self) -> None:
+        oldest = min(self.checkpoints, key=lambda t: self.checkpoints[t][1])
+        cache, _ = self.checkpoints.pop(oldest)
+        self.checkpoint_bytes -= _cache_nbytes(cache)
+        self.checkpoint_tokens -= len(oldest)
+        self.evictions += 1
+
+
+    # -- a view for people (the web app's cache page), on the engine thread ---------------
+
+    def branches(self, limit: int = 40) -> list[dict]:
+        """The biggest branches of the radix tree (parents before children): which prompts are
+        cached and how deep. `ids` are the edge's first and last tokens, for a preview."""
+        if self.kind == "checkpoint":
+            return [{"id": i, "parent": None, "start": 0, "end": len(t), "tokens": len(t), "subtree_tokens": len(t),
+                     "leaves": 1, "ram_bytes": _cache_nbytes(c), "on_disk": False, "age": self.tree.clock - used,
+                     "head_ids": list(t[:24]), "tail_ids": list(t[-24:])}
+                    for i, (t, (c, used)) in enumerate(self.checkpoints.items())][:limit]
+        info: dict = {}  # node -> [start depth, subtree tokens, leaves]
+        order, stack = [], [(n, 0) for n in self.tree.root.children.values()]
+        while stack:
+            node, start = stack.pop()
+            order.append(node)
+            info[node] = [start, len(node.tokens), 0]
+            stack.extend((c, start + len(node.tokens)) for c in node.children.values())
+        for node in reversed(order):  # children before parents: sum the subtrees up
+            if node.is_leaf():
+                info[node][2] = 1
+            if node.parent in info:
+                info[node.parent][1] += info[node][1]
+                info[node.parent][2] += info[node][2]
+        chosen = sorted(order, key=lambda n: -info[n][1])[:limit]
+        keep = set(chosen)
+        ids = {n: i for i, n in enumerate(chosen)}
+        chosen.sort(key=lambda n: (info[n][0], -info[n][1]))
+        return [{"id": ids[n], "parent": ids.get(n.parent) if n.parent in keep else None,
+                 "start": info[n][0], "end": info[n][0] + len(n.tokens), "tokens": len(n.tokens),
+                 "subtree_tokens": info[n][1], "leaves": info[n][2], "ram_bytes": n.nbytes, "on_disk": n.on_disk,
+                 "age": self.tree.clock - n.last_used, "head_ids": n.tokens[:24], "tail_ids": n.tokens[-24:]}
+                for n in chosen]
+
+    def drop(self, disk: bool = False) -> None:
+        """Empty the RAM tier. disk=False (evict): segments go to the disk tier first, as on
+        close; disk=True (clear): they are forgotten, and the disk tier's files deleted too."""
+        if disk:
+            if self.disk is not None:
+                for entry in list(self.disk.by_end.values()):
+                    self.disk._drop(entry, unlink=True)
+            self.tree = RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
+            self.checkpoints.clear()
+            self.checkpoint_bytes = self.checkpoint_tokens = 0
+        else:
+            self.close()
+        self._pinned.clear()
+
+
+def _cache_nbytes(cache: list) -> int:
+    total = 0
+    for c in cache:
+        try:
+            total += c.nbytes
+        except Exception:  # a layer type without a size
+            pass
+    return total

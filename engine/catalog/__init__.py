@@ -1,0 +1,1 @@
+"""Models on this machine and fetching them."""

@@ -1,0 +1,152 @@
+"""The verify loop: one generator for every drafter.
+
+Each round feeds the last committed token plus the draft to the target in one
+forward pass, accepts the longest lossless prefix of the draft (greedy: equal to the
+target's argmax; sampling: speculative-sampling acceptance), commits one more
+token from the target itself, and takes the rejected tokens back out of the cache
+(engine/caches/rollback.py: attention cut, sliding windows trimmed, recurrent state taken from
+the verify pass's per-position capture, or restored and the kept tokens replayed:
+whichever the cost curve measured cheaper for this model, engine/caches/state_capture.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from engine.base.errors import CancelledError
+from engine.base.sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
+from engine.caches.rollback import DEFAULT_ROLLBACK, mark, needs_replay, supports_drafts, take_back
+from engine.caches.state_capture import fits
+from engine.decoding.batch_verify import Forward
+from engine.drafting.drafter import Draft, Drafter
+from engine.kernels import cpu_attention
+from engine.kernels.attention_crossover import unread_last_call
+from engine.model.target import Target
+from engine.model.vision import ImageFeatures
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # committed this round: accepted draft tokens, then the target's own
+    drafted: int
+    accepted: int
+    seconds: float
+    # keep_only(u): the caller used only the first u >= 1 of `tokens` (a stop mid-round);
+    # leave the cache as if the round had committed just those. Call it right after the round.
+    keep_only: Callable[[int], None] | None = None
+    source: str = ""  # the drafter that proposed this round's draft ("" when none was drafted)
+
+
+def prefill(
+    target: Target,
+    cache: list,
+    tokens: list[int],
+    chunk_size: int = 512,
+    on_progress: Callable[[int, int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    on_hidden: Callable | None = None,
+    tap_layers: tuple[int, ...] = (),
+    embeddings: ImageFeatures | None = None,
+) -> None:
+    """Feed `tokens` into the cache in chunks, reporting progress, cancellable between chunks.
+    `embeddings` (one row per token) are fed instead of the tokens' own: a VLM prompt's images
+    (engine/model/vision.py)."""
+    total = len(tokens)
+    for start in range(0, total, chunk_size):
+        if cancelled and cancelled():
+            raise CancelledError("cancelled during prefill")
+        chunk = tokens[start : start + chunk_size]
+        if embeddings is not None:
+            target.forward(chunk, cache, embeddings[start : start + chunk_size])
+        elif tap_layers:
+            _, hidden = target.forward_tapped(chunk, cache, tap_layers)
+            on_hidden(hidden)
+        else:
+            with cpu_attention.last_call_unread(unread_last_call(target, cache)):
+                target.forward(chunk, cache)
+        mx.eval([c.state for c in cache])
+        if on_progress:
+            on_progress(min(start + chunk_size, total), total)
+
+
+def speculative_rounds(
+    target: Target,
+    cache: list,
+    last_token: int,
+    drafter: Drafter,
+    sampling: SamplingParams,
+    max_draft: int | Callable[[], int],
+    rng: np.random.Generator | None = None,
+    hard_cap: int | Callable[[], int] | None = None,
+    defer_forward: bool = False,
+    rollback: str | None = None,
+) -> Iterator[Round]:
+    """Endless rounds of draft-and-verify; the caller stops iterating when done.
+
+    `max_draft` is the round's cap (a number, or a callable such as the adaptive
+    controller); `hard_cap` (default: the same) bounds `verbatim` drafts, which may
+    exceed an adaptive cap. On entry the cache holds the context minus `last_token`;
+    after every round it holds the context minus the last committed token, which the
+    next round feeds. `defer_forward`: each round first yields its head draft where it has
+    one (a `heads.drafter.HeadCall`, for `draft_together`), then its verify forward (a
+    `batch_verify.Forward`), for the caller to run batched with other sequences', then its Round.
+    `rollback` ("capture" or "replay"; default: `target.state_rollback`, else DEFAULT_ROLLBACK;
+    the engine passes the cost curve's pick) is how recurrent layers take back a rejected draft.
+    """
+    rng = rng or np.random.default_rng(sampling.seed)
+    cap = max_draft if callable(max_draft) else (lambda: max_draft)
+    drafter.set_sampling(sampling)
+    # A cache type engine/caches/rollback.py doesn't know can't take back a rejected draft:
+    # decode it plainly, which is always correct.
+    drafting = supports_drafts(cache)
+    if drafting and needs_replay(cache):
+        capture = (rollback or target.state_rollback or DEFAULT_ROLLBACK) == "capture"
+    else:
+        capture = False
+    y = last_token
+    while True:
+        t0 = time.perf_counter()
+        k = cap() if drafting else 0
+        hc = hard_cap() if callable(hard_cap) else hard_cap
+        hard = max(k, hc if hc is not None and drafting else 0)
+        draft = None
+        if hard > 0:
+            draft = drafter.plan(k) if defer_forward else drafter.propose(k)
+            if not isinstance(draft, Draft):  # a head's draft: the caller runs it with other sequences'
+                yield draft
+                draft = drafter.take(draft)
+        draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
+        inputs = [y, *draft_tokens]
+        before = mark(cache) if draft_tokens else None
+        fwd = Forward(inputs, cache, tuple(drafter.tap_layers),
+                      capture=capture and bool(draft_tokens) and fits(cache, len(inputs)))
+        if defer_forward:
+            yield fwd
+        else:
+            fwd.run(target)
+        logits, hidden = fwd.result
+        if sampling.greedy:
+            n, nxt = accept_greedy(logits, draft_tokens, fwd.picks() if fwd.picks else None)
+        else:
+            q = draft.q[: len(draft_tokens)] if draft is not None and draft.q is not None else None
+            n, nxt = accept_speculative(target_probs(logits, sampling), draft_tokens, q, rng)
+        if draft_tokens:
+            take_back(cache, before, len(inputs), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache),
+                      captured=fwd.captured)
+        committed = [*draft_tokens[:n], nxt]
+        drafter.commit(
+            committed, len(draft_tokens), n, hidden=None if hidden is None else hidden[: n + 1]
+        )
+        y = nxt
+        keep_only = None
+        if draft_tokens:
+            def keep_only(u, before=before, inputs=inputs, held=n + 1, captured=fwd.captured):
+                take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache),
+                          captured=captured)
+        source = (draft.source or drafter.name) if draft_tokens else ""
+        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source)

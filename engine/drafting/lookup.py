@@ -1,0 +1,177 @@
+"""Match-scaled lookup drafting: propose what followed the longest earlier match.
+
+Agents re-emit code that is already in their prompt. The index maps every 2-, 4-
+and 8-gram of the context (and of any extra corpus) to where it ends; a query
+extends the candidates backwards to the true match length, and the longer the
+match, the longer the draft. A gate halves the allowed length after a long draft is
+mostly rejected and doubles it back after full acceptances.
+"""
+
+from __future__ import annotations
+
+from engine.caches.radix_tree import common_prefix
+from engine.drafting.drafter import Draft, Drafter
+
+NGRAM_SIZES = (8, 4, 2)  # probe the most specific first
+MAX_CANDIDATES = 16  # most recent occurrences examined per query
+MAX_MATCH = 64  # backward extension limit
+
+
+def draft_length_for_match(match_len: int) -> int:
+    """Short drafts for short matches, long drafts for long verbatim runs."""
+    if match_len < 2:
+        return 0
+    if match_len < 4:
+        return 2 * match_len - 2  # 2 -> 2, 3 -> 4
+    if match_len < 8:
+        return 8
+    if match_len < 16:
+        return 16
+    if match_len < 32:
+        return 32
+    return 64
+
+
+class TokenIndex:
+    """A token sequence with an incremental n-gram -> end positions index."""
+
+    def __init__(self, tokens: list[int] | None = None):
+        self.tokens: list[int] = []
+        self.positions: dict[tuple[int, ...], list[int]] = {}
+        self.extend(tokens or [])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.tokens.append(t)
+            end = len(self.tokens) - 1
+            for n in NGRAM_SIZES:
+                if end + 1 >= n:
+                    key = tuple(self.tokens[end - n + 1 : end + 1])
+                    self.positions.setdefault(key, []).append(end)
+
+    def truncate(self, n: int) -> None:
+        """Forget every token from position n on (their n-grams are the lists' tails)."""
+        for end in range(len(self.tokens) - 1, n - 1, -1):
+            for size in NGRAM_SIZES:
+                if end + 1 >= size:
+                    key = tuple(self.tokens[end - size + 1 : end + 1])
+                    ends = self.positions[key]
+                    ends.pop()
+                    if not ends:
+                        del self.positions[key]
+        del self.tokens[n:]
+
+    def best_match(self, suffix: list[int], exclude_end: int | None = None) -> tuple[int, int, int]:
+        """(draft length, match length, end position) of the best earlier occurrence of
+        `suffix`'s tail: the one allowing the longest draft (its match length scaled,
+        bounded by what follows it), then the longest match, then the most recent.
+        """
+        best = (0, 0, -1)
+        for n in NGRAM_SIZES:
+            if len(suffix) < n:
+                continue
+            ends = self.positions.get(tuple(suffix[-n:]))
+            if not ends:
+                continue
+            examined = 0
+            for end in reversed(ends):
+                if end == exclude_end or end + 1 >= len(self.tokens):
+                    continue
+                m = self._match_length(suffix, end)
+                usable = min(draft_length_for_match(m), len(self.tokens) - end - 1)
+                if (usable, m) > best[:2]:
+                    best = (usable, m, end)
+                examined += 1
+                if examined >= MAX_CANDIDATES:
+                    break
+            if best[0]:
+                return best
+        return best
+
+    def _match_length(self, suffix: list[int], end: int) -> int:
+        limit = min(MAX_MATCH, end + 1, len(suffix))
+        m = 0
+        while m < limit and self.tokens[end - m] == suffix[-1 - m]:
+            m += 1
+        return m
+
+
+class ContextIndexCache:
+    """The last request's context index, continued by the next prompt instead of rebuilt.
+
+    An agent's next prompt is the last one plus a reply and a tool result: the index of
+    the shared start is kept, the rest cut and the new tokens added. A drafter takes the
+    index for its request and gives it back when done, so two requests never share one."""
+
+    def __init__(self):
+        self.index: TokenIndex | None = None
+
+    def index_for(self, tokens: list[int]) -> TokenIndex:
+        index, self.index = self.index, None
+        if index is None:
+            return TokenIndex(tokens)
+        m = common_prefix(index.tokens, tokens)
+        if (len(index) - m) + (len(tokens) - m) >= len(tokens):  # cheaper to start over
+            return TokenIndex(tokens)
+        index.truncate(m)
+        index.extend(tokens[m:])
+        return index
+
+    def keep(self, index: TokenIndex) -> None:
+        self.index = index
+
+
+class LookupDrafter(Drafter):
+    name = "lookup"
+
+    def __init__(self, corpus: "list[list[int] | TokenIndex] | None" = None, min_limit: int = 2):
+        # documents may come indexed already (the engine's corpus: indexed once, on arrival)
+        self.corpus = [doc if isinstance(doc, TokenIndex) else TokenIndex(doc) for doc in (corpus or []) if len(doc) > 1]
+        self.context = TokenIndex()
+        self.min_limit = min_limit
+        self.limit = 1 << 30  # the gate; the caller's cap bounds it too
+        self.contexts: ContextIndexCache | None = None
+
+    def use_context_cache(self, contexts: ContextIndexCache) -> None:
+        self.contexts = contexts
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.context = self.contexts.index_for(prompt_ids) if self.contexts else TokenIndex(prompt_ids)
+        self.limit = 1 << 30
+
+    def finish(self) -> None:
+        if self.contexts is not None:
+            self.contexts.keep(self.context)
+            self.context = TokenIndex()
+
+    def add_corpus(self, doc: list[int]) -> None:
+        if len(doc) > 1:
+            self.corpus.append(TokenIndex(doc))
+
+    def propose(self, max_len: int, gated: bool = True) -> Draft:
+        """The continuation of the best match, as long as the match allows (`draft_length_for_match`),
+        `max_len` and, when `gated`, the gate."""
+        if max_len <= 0 or len(self.context) < 2:
+            return Draft([])
+        suffix = self.context.tokens[-MAX_MATCH:]
+        best, source = (0, 0, -1), None
+        for index in [self.context, *self.corpus]:
+            exclude = len(self.context) - 1 if index is self.context else None
+            found = index.best_match(suffix, exclude_end=exclude)
+            if found[:2] > best[:2]:
+                best, source = found, index
+        usable, _, end = best
+        n = min(usable, max_len, self.limit if gated else max_len)
+        if n <= 0 or source is None:
+            return Draft([])
+        return Draft(source.tokens[end + 1 : end + 1 + n])
+
+    def commit(self, tokens: list[int], drafted: int, accepted: int, hidden=None) -> None:
+        self.context.extend(tokens)
+        if drafted >= 4 and accepted < drafted // 2:
+            self.limit = max(self.min_limit, min(self.limit, drafted) // 2)
+        elif drafted > 0 and accepted == drafted:
+            self.limit = min(1 << 30, max(self.limit, drafted) * 2)

@@ -1,0 +1,1 @@
+"""The target model: loading, forwards (tapped, batched), images."""

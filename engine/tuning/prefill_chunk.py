@@ -1,0 +1,111 @@
+"""The prefill chunk size: tokens per forward while prefilling, chosen by measurement.
+
+Wider chunks read the weights fewer times (matmuls with more rows run nearer BLAS
+speed); narrower ones report progress and honour cancellation sooner and hold less
+memory. Which width is fastest depends on the machine and the model, so it is timed
+once per (machine, MLX, model, dtype) by `mlx-dspark tune` and cached beside the cost
+curve; without a measurement the default below (measured on the bundled model, 2 cores,
+OpenBLAS) is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from engine.base.files import cache_dir, write_json
+from engine.base.platform import device_name
+from engine.decoding.verify import prefill
+from engine.kernels.attention_crossover import install_for
+from engine.tuning.attention_tune import tune_attention
+
+FORMAT = 1
+DEFAULT_CHUNK = 1024  # 4096-token prefill, bundled model: 256 18.8 s, 512 13.9, 1024 13.2, 2048 21.0 (load 10)
+CANDIDATES = (256, 512, 1024, 2048)
+MEASURE_TOKENS = 4096
+
+
+def chunk_key(target) -> dict:
+    import mlx.core as mx
+
+    return {"format": FORMAT, "device": device_name(), "mlx": mx.__version__,
+            "model": target.identity, "dtype": target.dtype}
+
+
+def chunk_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"prefill-chunk-{digest}.json"
+
+
+def time_prefill(target, tokens: list[int], chunk: int) -> float:
+    """Seconds to prefill `tokens` into a fresh cache, `chunk` tokens a forward."""
+    import mlx.core as mx
+
+
+    cache = target.make_cache()
+    t0 = time.perf_counter()
+    prefill(target, cache, tokens, chunk_size=chunk)
+    mx.eval([c.state for c in cache])
+    return time.perf_counter() - t0
+
+
+def measure_chunk(target, candidates=None, tokens: int | None = None, seed: int = 0) -> dict:
+    """Prefill the same random `tokens` at each candidate width; the fastest (best of two) wins."""
+    import numpy as np
+
+    candidates, tokens = candidates or CANDIDATES, tokens or MEASURE_TOKENS
+    n = min(tokens, target.context_window - 1)
+    ids = np.random.default_rng(seed).integers(0, target.vocab_size, size=n).tolist()
+    time_prefill(target, ids[: min(n, 256)], 256)  # warm up
+    seconds = {c: float("inf") for c in candidates}
+    for _ in range(2):  # whole sweeps, best of two: a burst of load spoils one pass, not a width
+        for c in candidates:
+            seconds[c] = min(seconds[c], round(time_prefill(target, ids, c), 4))
+    best = min(seconds, key=seconds.get)
+    return {"chunk": best, "key": chunk_key(target), "tokens": n,
+            "seconds": {str(c): s for c, s in seconds.items()},
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def load_chunk(key: dict) -> dict | None:
+    try:
+        found = json.loads(chunk_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(found, dict) and found.get("key") == key and isinstance(found.get("chunk"), int)
+    return found if ok and found["chunk"] > 0 else None
+
+
+def tune_chunk(target, refresh: bool = False) -> dict:
+    key = chunk_key(target)
+    found = None if refresh else load_chunk(key)
+    if found is None:
+        found = measure_chunk(target)
+        write_json(chunk_path(key), found)
+    return found
+
+
+def chunk_for(target) -> int:
+    """The measured chunk for this target here, else the default."""
+    found = load_chunk(chunk_key(target))
+    return found["chunk"] if found else DEFAULT_CHUNK
+
+
+def tune_prefill(target, refresh: bool = False) -> dict:
+    """`mlx-dspark tune`'s prefill part: the attention crossover (CPU), then the chunk size
+    (timed with that attention in place)."""
+    from dataclasses import asdict
+
+    import mlx.core as mx
+
+
+    attention = None
+    if mx.default_device() == mx.cpu:
+        try:
+            attention = asdict(tune_attention(target, refresh=refresh))
+        except ValueError:  # no attention layers
+            attention = None
+        install_for(target)
+    return {"attention": attention, "chunk": tune_chunk(target, refresh=refresh)}
