@@ -2,7 +2,8 @@
 
 The one door for the server, MCP tools and benchmark:
 
-    engine = Engine(model_path)                # loads once; one thread owns MLX
+    engine = Engine(model_path)                # loads once; one thread owns MLX (EngineConfig's
+                                               # fields as keywords: Engine(path, mode="lookup"))
     ids = engine.render_chat(messages)         # or engine.encode(text)
     for event in engine.generate(GenerationRequest(ids, max_tokens=256)):
         ...                                    # PrefillProgress, Tokens, Done
@@ -12,14 +13,15 @@ from engine.base.bundled import REFERENCE_MODEL_DIR, default_model_path
 from engine.base.errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.base.events import Done, PrefillProgress, Stats, Tokens
 from engine.base.files import cache_dir
-from engine.base.platform import describe_platform, ensure_fast_blas, loaded_blas, slow_blas_warning
+from engine.base.measurements import forget_measurements
+from engine.base.platform import describe_platform, ensure_fast_blas, loaded_blas, physical_memory_bytes, slow_blas_warning
 from engine.base.sampling import SamplingParams
 from engine.bench.benchmark import CONTENTS as BENCH_CONTENTS, Content as BenchContent, build_content as build_bench_content, format_table as format_bench_table, run_benchmark, run_nonce
 from engine.catalog.model_catalog import ModelInfo, find_models, local_models, model_locations, pairing_problems, weights_missing
 from engine.drafting.drafter import Draft, Drafter
 from engine.drafting.lookup import LookupDrafter
 from engine.drafting.modes import available_modes
-from engine.engine import DEFAULT_MAX_DRAFT, Engine, GenerationRequest, Job
+from engine.engine import DEFAULT_MAX_DRAFT, Engine, EngineConfig, GenerationRequest, Job
 from engine.kernels import cpu_attention
 from engine.model.target import Target, load_target
 from engine.tuning.batch_cost import BatchSurface, load_batch_surface, surface_for, tune_batch
@@ -41,6 +43,7 @@ __all__ = [
     "best_draft_cap",
     "build_bench_content",
     "cache_dir",
+    "forget_measurements",
     "curve_for_requests",
     "curve_key",
     "format_bench_table",
@@ -55,12 +58,14 @@ __all__ = [
     "prefill_report",
     "tune_prefill",
     "slow_blas_warning",
+    "physical_memory_bytes",
     "CancelledError",
     "DEFAULT_MAX_DRAFT",
     "Done",
     "Draft",
     "Drafter",
     "Engine",
+    "EngineConfig",
     "EngineError",
     "GenerationRequest",
     "InvalidRequestError",

@@ -12,6 +12,12 @@ max_batch > 1 a decoding job's attention KV lives in a row of one persistent Bat
 verify forwards run as one batched forward without copying any KV per round. Their head
 drafts (DSpark, DFlash) run batched too: each round a job first hands the scheduler its
 `HeadCall`, and one head forward and one walk draft every row (engine/drafting/heads/drafter.py).
+
+On the engine thread a job is a `Sequence` (engine/sequence.py) that its phases fill in, in
+order: `_begin` (the request's settings for this model), `_take_cache` (the prefix cache),
+`_make_drafter`, `_image_embeddings`, `_prefill` (a chunk a step), `_start_decoding`,
+`_decode` (a round a step, `_commit` each round's tokens) and `_finish` (the prefix cache
+takes its cache back). The request was checked once, when it queued (`_check_request`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
@@ -38,143 +44,62 @@ from engine.base.piece_encoder import PieceEncoder
 from engine.base.sampling import SamplingParams
 from engine.base.stops import TextAssembler
 from engine.caches.batch_cache import BatchCache, joinable
-from engine.caches.kv_segments import KV_BITS, fresh_cache, kv_group_size
-from engine.caches.prefix_cache import PrefixCache, cache_identity
-from engine.decoding.batch_verify import Forward, run_forwards
+from engine.caches.kv_segments import fresh_cache, kv_group_size
+from engine.caches.prefix_cache import PrefixCache, cache_identity, open_prefix_cache
+from engine.config import DEFAULT_MAX_DRAFT, EngineConfig
+from engine.decoding.batch_verify import run_forwards
 from engine.decoding.verify import Round, prefill, speculative_rounds
-from engine.drafting.heads.drafter import HeadCall, draft_together
+from engine.drafting.heads.drafter import draft_together
 from engine.drafting.heads.loading import precheck
 from engine.drafting.lookup import ContextIndexCache, TokenIndex
 from engine.drafting.modes import attach_drafter, make_drafter, resolve_mode
 from engine.kernels import cpu_attention
 from engine.model.target import Target, load_target
 from engine.model.vision import PromptImages, Vision, load_vision, position_view, prefill_chunks, set_position_shift
+from engine.sequence import DRAFT, FORWARD, GenerationRequest, Job, Sequence
 from engine.tuning.batch_cost import quick_surface, surface_for
 from engine.tuning.cost_curve import state_rollback
 from engine.tuning.draft_control import draft_controller
 from engine.tuning.prefill_chunk import chunk_for
 
-DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/tuning/draft_control.py)
+__all__ = ["DEFAULT_MAX_DRAFT", "Engine", "EngineConfig", "GenerationRequest", "Job", "engine_stream", "plain_rounds"]
+
 MAX_ENGINE_CORPUS_DOCS = 64
 _WAKE = object()  # put on the work queue when a job is queued
 
 
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    mode: str | None = None  # None: the engine's default
-    max_draft: int | str | None = None  # a cap, "auto", or None: the engine's default
-    corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from (this request only)
-    images: PromptImages | None = None  # a VLM prompt's images (Engine.render_chat_images)
-
-
-class Job:
-    """One queued generation. Iterate it for events; it ends with `Done` or raises."""
-
-    def __init__(self, request: GenerationRequest):
-        self.request = request
-        self.created = time.perf_counter()
-        self._events: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
-        # Where it stands, written by the engine thread, read by anyone (/health, pings).
-        self.phase = "queued"  # then "prefill", "decode", "done"
-        self.prefilled = 0
-        self.prompt_tokens = len(request.prompt_ids)
-        self.generated = 0
-        self.held = False  # kept in the queue but not started (its client left; a retry may take it over)
-
-    def status(self) -> dict:
-        return {"phase": self.phase, "prefilled_tokens": self.prefilled, "prompt_tokens": self.prompt_tokens,
-                "generated_tokens": self.generated, "age_s": round(time.perf_counter() - self.created, 3)}
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def emit(self, event: Any) -> None:
-        self._events.put(event)
-
-    def next_event(self, timeout: float | None = None) -> Any:
-        """The next event (blocking); raises the engine's error if the job failed."""
-        event = self._events.get(timeout=timeout)
-        if isinstance(event, BaseException):
-            raise event
-        return event
-
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            event = self.next_event()
-            yield event
-            if isinstance(event, Done):
-                return
-
-    def result(self) -> Done:
-        done = None
-        for event in self:
-            done = event
-        return done
-
-
 class Engine:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        mode: str = "auto",
-        max_draft: int | str = DEFAULT_MAX_DRAFT,
-        prefill_chunk: int | None = None,  # None: measured for this machine (engine/tuning/prefill_chunk.py)
-        context_window: int | None = None,
-        dtype: str | None = None,
-        prefix_cache: bool = True,
-        prefix_cache_max_ram_mb: float | None = None,
-        prefix_cache_dir: str | None = None,
-        prefix_cache_max_disk_mb: float | None = None,
-        kv_bits: int | None = None,
-        drafter: str | None = None,
-        drafter_bits: int | None = None,
-        loop_guard: int = 0,
-        max_batch: int | str = 1,
-    ):
-        """`loop_guard`: end a generation whose last N committed tokens repeat one short
-        n-gram (engine/base/loop_guard.py), as `length`; 0 (the library's default) never does."""
-        if kv_bits not in (None, *KV_BITS):
-            raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits!r}")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be a whole number >= 1 or None (measured), not {prefill_chunk!r}")
-        self.kv_bits = kv_bits
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides: Any):
+        """`config` (engine/config.py, checked there); its fields can be given as keywords
+        too, over it: `Engine(path, mode="lookup", max_draft=4)`. `self.config` keeps what it
+        was built with; what the engine measured for itself is in its attributes (max_batch...)."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, not {type(config).__name__}")
+        config = replace(config or EngineConfig(), **overrides) if overrides else config or EngineConfig()
+        self.config = config
+        self.kv_bits = config.kv_bits
         self.prefix_cache: PrefixCache | None = None
 
         self.model_path = resolve_model(model or None)  # a bundled model's name -> its folder
-        if drafter:  # a head for another model is refused before the model's weights load
-            precheck(drafter, self.model_path)
-        self.default_mode = mode
-        self.max_draft = max_draft
-        self.prefill_chunk = prefill_chunk
-        if loop_guard:
-            LoopGuard(loop_guard)  # a window too small to hold a loop fails here, not per request
-        self.loop_guard = loop_guard
+        if config.drafter:  # a head for another model is refused before the model's weights load
+            precheck(config.drafter, self.model_path)
+        self.default_mode = config.mode
+        self.max_draft = config.max_draft
+        self.prefill_chunk = config.prefill_chunk
+        self.loop_guard = config.loop_guard
         # documents to draft from (files agents read), indexed once on arrival, one per path
         self.corpus: collections.OrderedDict[str, TokenIndex] = collections.OrderedDict()
         self._corpus_lock = threading.Lock()
         self.job_observers: list[Callable[[Job], None]] = []  # see each job before it queues (telemetry)
         self.target: Target | None = None
         self.vision: Vision | None = None  # a VLM's vision half (engine/model/vision.py), else None
-        if max_batch != "auto" and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
-            raise ValueError(f"max_batch must be a whole number >= 1 or 'auto', not {max_batch!r}")
-        self.max_batch = 1 if max_batch == "auto" else max_batch
+        self.max_batch = 1 if config.max_batch == "auto" else config.max_batch
         self.batched_rounds = 0  # sequence rounds verified in a batched forward
         self.batched_drafts = 0  # sequence rounds whose head draft ran in a batched draft
         self._batch = BatchCache()  # the KV of every sequence that decodes batched (engine/caches/batch_cache.py)
         self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
-        self._waiting: collections.deque[Job] = collections.deque()
-        self._running: list[tuple[Job, Iterator[None]]] = []
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
         self._lock = threading.Lock()
         self._closed = False
         self._queue_lock = threading.Lock()  # "closed?" and the put are one step (else a late put hangs)
@@ -182,37 +107,46 @@ class Engine:
         # ("Already borrowed") when two threads use one at once.
         self.tokenizer_lock = threading.RLock()
         self._stopped = threading.Event()
+        self._start_thread(config.dtype)
+        self.context_window = config.context_window or self.target.context_window
+        self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
+        self._contexts = ContextIndexCache()  # the last request's lookup index, continued
+        self._settle(config)
+
+    def _start_thread(self, dtype: str | None) -> None:
+        """The engine thread, once it has loaded the model (a ModelLoadError re-raised here)."""
         loaded: Future = Future()
         self._thread = threading.Thread(
             target=self._serve, args=(loaded, dtype), name="mlx-dspark-engine", daemon=True
         )
         self._thread.start()
         loaded.result()  # re-raises ModelLoadError here, in the caller's thread
-        self.context_window = context_window or self.target.context_window
-        self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
-        self._contexts = ContextIndexCache()  # the last request's lookup index, continued
-        if not self.prefill_chunk:
-            self.prefill_chunk = self.call(chunk_for)
-        if drafter or drafter_bits:  # a head checkpoint given by the user: load and pair it now
-            try:
-                self.call(lambda t: attach_drafter(t, drafter, drafter_bits))
-            except BaseException:
-                self.close()
-                raise
-        resolve_mode(mode, self.target)  # fail early on an unknown default mode
+
+    def _settle(self, config: EngineConfig) -> None:
+        """The start on this machine, in this order: the prefill chunk measured (where the config
+        gives none), a given head paired, what would fail every request failed here (the default
+        mode, a head size KV quantisation can't take), an "auto" max batch measured, and the
+        prefix cache opened. A failure closes the engine."""
         try:
-            if kv_bits:
+            if not self.prefill_chunk:  # engine/tuning/prefill_chunk.py
+                self.prefill_chunk = self.call(chunk_for)
+            if config.drafter or config.drafter_bits:  # a head checkpoint given by the user: load and pair it now
+                self.call(lambda t: attach_drafter(t, config.drafter, config.drafter_bits))
+            resolve_mode(config.mode, self.target)  # fail early on an unknown default mode
+            if config.kv_bits:
                 kv_group_size(self.target.config)  # fail early on a head size KV quantisation can't take
-            if max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/tuning/batch_cost.py)
-                self.max_batch = self.call(lambda t: quick_surface(t, kv_bits).best_max_batch())
-            if prefix_cache:
-                mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731
-                self.prefix_cache = self.call(lambda t: PrefixCache(
-                    self._new_cache, cache_identity(t, kv_bits), mb(prefix_cache_max_ram_mb),
-                    prefix_cache_dir, mb(prefix_cache_max_disk_mb)))
+            if config.max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/tuning/batch_cost.py)
+                self.max_batch = self.call(lambda t: quick_surface(t, config.kv_bits).best_max_batch())
+            if config.prefix_cache:
+                self.prefix_cache = self.call(lambda t: self._open_prefix_cache(t, config))
         except BaseException:
             self.close()
             raise
+
+    def _open_prefix_cache(self, target: Target, config: EngineConfig) -> PrefixCache:
+        mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731
+        return open_prefix_cache(self._new_cache, cache_identity(target, config.kv_bits), mb(config.prefix_cache_max_ram_mb),
+                           config.prefix_cache_dir, mb(config.prefix_cache_max_disk_mb))
 
     # -- public API, callable from any thread ---------------------------------------
 
@@ -222,7 +156,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> Job:
         """Queue a generation; a request the engine can't run raises here (EngineError)."""
-        self._check_request(request)
+        prompt = self._check_request(request)
         job = Job(request)
         with self._queue_lock:  # the same lock as close(): no job slips in after the engine stops
             if self._closed:
@@ -230,7 +164,7 @@ class Engine:
             for observe in self.job_observers:  # before it can emit anything
                 observe(job)
             with self._lock:
-                self._waiting.append(job)
+                self._waiting.append(Sequence(job, prompt))
             self._work.put(_WAKE)
         return job
 
@@ -242,14 +176,14 @@ class Engine:
     def queue_position(self, job: Job) -> int:
         """1 for the next job to start, 0 once it runs (or left the queue)."""
         with self._lock:
-            live = [j for j in self._waiting if not j.cancelled]
+            live = [s.job for s in self._waiting if not s.job.cancelled]
         return live.index(job) + 1 if job in live else 0
 
     def load(self) -> dict:
         """What the engine is doing: queued and running jobs, each with its phase and progress."""
         with self._lock:
-            waiting = [j for j in self._waiting if not j.cancelled]
-            running = [j for j, _ in self._running]
+            waiting = [s.job for s in self._waiting if not s.job.cancelled]
+            running = [s.job for s in self._running]
         return {"max_batch": self.max_batch, "queued": len(waiting), "running": len(running),
                 "batched_rounds": self.batched_rounds,
                 "sequences": [j.status() for j in running + waiting]}
@@ -388,7 +322,7 @@ class Engine:
     def _schedule(self) -> None:
         """Run calls as they come; start queued jobs up to max_batch; step the running jobs in turn."""
         while True:
-            idle = not self._running and all(j.held and not j.cancelled for j in self._waiting)
+            idle = not self._running and all(s.job.held and not s.job.cancelled for s in self._waiting)
             items = [self._work.get()] if idle else []
             while True:
                 try:
@@ -405,14 +339,17 @@ class Engine:
             # One prefill at a time, oldest first (the others' time to first token would all
             # grow if they took turns), interleaved with every decoding job's rounds. A job just
             # started takes its first step at once (its cached prefix is known after it).
-            lead = next((j for j, _ in self._running if j.phase == "prefill"), None)
-            stepped = [(job, steps, self._step(job, steps)) for job, steps in list(self._running)
-                       if job.phase != "prefill" or job is lead or job.cancelled]
-            drafting = [(job, steps, c) for job, steps, c in stepped if isinstance(c, HeadCall)]
+            lead = next((s for s in self._running if s.job.phase == "prefill"), None)
+            stepped = [s for s in list(self._running) if s.job.phase != "prefill" or s is lead or s.job.cancelled]
+            for seq in stepped:
+                self._step(seq)
+            drafting = [s for s in stepped if s.wants == DRAFT]
             if drafting:  # the heads' drafts of this round, one batched draft per head
-                self.batched_drafts += draft_together(self.target, [c for _, _, c in drafting])
-                stepped += [(job, steps, self._step(job, steps)) for job, steps, _ in drafting]
-            forwards = [f for _, _, f in stepped if isinstance(f, Forward)]
+                self.batched_drafts += draft_together(self.target, [s.call for s in drafting])
+                for seq in drafting:
+                    self._step(seq)
+            forwards = [s.call for s in stepped if s.wants == FORWARD and s not in drafting]
+            forwards += [s.call for s in drafting if s.wants == FORWARD]
             if forwards:
                 try:
                     surface = surface_for(self.target, self.kv_bits)  # what batching pays for here
@@ -422,18 +359,21 @@ class Engine:
 
     def _admit(self) -> None:
         with self._lock:
-            for job in [j for j in self._waiting if j.cancelled]:
-                self._waiting.remove(job)
-                job.phase = "done"
-                job.emit(CancelledError("cancelled before it started"))
-            for job in [j for j in self._waiting if not j.held][: self.max_batch - len(self._running)]:
-                self._waiting.remove(job)
-                self._running.append((job, self._steps(job)))
+            for seq in [s for s in self._waiting if s.job.cancelled]:
+                self._waiting.remove(seq)
+                seq.job.phase = "done"
+                seq.job.emit(CancelledError("cancelled before it started"))
+            for seq in [s for s in self._waiting if not s.job.held][: self.max_batch - len(self._running)]:
+                self._waiting.remove(seq)
+                seq.steps = self._phases(seq)
+                self._running.append(seq)
 
-    def _step(self, job: Job, steps: Iterator[Any]) -> Any:
+    def _step(self, seq: Sequence) -> None:
+        """One step of a running job; at its end (its Done or an error) it leaves the running."""
         finished: Any = None
         try:
-            return next(steps)
+            seq.step()
+            return
         except StopIteration as stop:
             finished = stop.value
         except EngineError as e:
@@ -441,21 +381,22 @@ class Engine:
         except Exception as e:  # never let one request kill the engine thread
             finished = EngineError(f"generation failed: {type(e).__name__}: {e}")
         if finished is not None:
+            job = seq.job
             job.phase = "done"
             self._batch.drop(job)  # its batch row, where it ended without leaving (an error)
             with self._lock:
-                self._running.remove((job, steps))
+                self._running.remove(seq)
             job.emit(finished)
 
     def _decoding(self) -> int:
         """How many running jobs decode (their verify forwards may share a batch)."""
-        return sum(1 for j, _ in self._running if j.phase == "decode")
+        return sum(1 for s in self._running if s.job.phase == "decode")
 
     def _fail_all(self, error: EngineError) -> None:
         with self._lock:
-            jobs = [j for j, _ in self._running] + list(self._waiting)
-            for _, steps in self._running:
-                steps.close()
+            jobs = [s.job for s in self._running] + [s.job for s in self._waiting]
+            for seq in self._running:
+                seq.steps.close()
             self._running.clear()
             self._waiting.clear()
             self._batch = BatchCache()
@@ -479,51 +420,74 @@ class Engine:
         # exception"). A parked daemon thread holds nothing and ends with the process.
         threading.Event().wait()
 
-    def _steps(self, job: Job) -> Iterator[None]:
+    # -- a job's phases, on the engine thread ---------------------------------------
+
+    def _phases(self, seq: Sequence) -> Iterator[None]:
         """One job as steps (a prefill chunk, a decode round), yielding between them; returns Done."""
-        req, target = job.request, self.target
-        t0 = time.perf_counter()
-        stats = Stats(queued_s=t0 - job.created)
-        prompt = self._check_prompt(req)
-        req.sampling.validate(target.vocab_size)
-        sampling = req.sampling.for_vocab(target.vocab_size)
-        if req.max_tokens < 0:
-            raise InvalidRequestError("max_tokens must be >= 0")
-        mode = resolve_mode(req.mode or self.default_mode, target)
-        stats.mode, stats.prompt_tokens = mode, len(prompt)
-        max_tokens = min(req.max_tokens, self.context_window - len(prompt))
+        self._begin(seq)
+        self._take_cache(seq)
+        self._make_drafter(seq)
+        yield from self._prefill(seq, self._image_embeddings(seq))
+        self._start_decoding(seq)
+        yield from self._decode(seq)
+        return self._finish(seq)
+
+    def _begin(self, seq: Sequence) -> None:
+        """Its clock and statistics, and the request's settings for this model."""
+        job, req, target = seq.job, seq.request, self.target
+        seq.t0 = time.perf_counter()
+        seq.stats = Stats(queued_s=seq.t0 - job.created)
+        seq.sampling = req.sampling.for_vocab(target.vocab_size)
+        seq.mode = resolve_mode(req.mode or self.default_mode, target)
+        seq.stats.mode, seq.stats.prompt_tokens = seq.mode, len(seq.prompt)
+        seq.max_tokens = min(req.max_tokens, self.context_window - len(seq.prompt))
         if job.cancelled:
             raise CancelledError("cancelled before it started")
 
+    def _take_cache(self, seq: Sequence) -> None:
+        """Its cache from the prefix cache (holding the longest prefix it has) or fresh; the
+        first event says how much was cached (APIs report it up front)."""
+        job, prompt, images = seq.job, seq.prompt, seq.request.images
         # the prefix cache's view of the prompt: an image's tokens stand for its hash
-        images = req.images
-        key = images.key(prompt, target.vocab_size) if images is not None else prompt
-        cache, cached = self._acquire_cache(key)
-        set_position_shift(cache, images.position_shift if images is not None else 0)  # M-RoPE after images
-        stats.cached_tokens = cached
-        job.phase, job.prefilled, job.prompt_tokens = "prefill", cached, len(prompt)
-        job.emit(PrefillProgress(cached, len(prompt)))  # first event: the cached prefix (APIs report it up front)
-        with self._corpus_lock:
-            corpus = [*self.corpus.values(), *req.corpus]
-        drafter = None if mode == "baseline" else make_drafter(mode, target, corpus)
-        if drafter is not None:
-            drafter.use_context_cache(self._contexts)
-            drafter.start(prompt)
-            if not target.can_rollback(cache):
-                stats.note = "this model's cache can't be rolled back: decoding without drafts"
+        seq.key = images.key(prompt, self.target.vocab_size) if images is not None else prompt
+        seq.cache, seq.cached = self._acquire_cache(seq.key)
+        set_position_shift(seq.cache, images.position_shift if images is not None else 0)  # M-RoPE after images
+        seq.stats.cached_tokens = seq.cached
+        job.phase, job.prefilled, job.prompt_tokens = "prefill", seq.cached, len(prompt)
+        job.emit(PrefillProgress(seq.cached, len(prompt)))
 
-        to_prefill = prompt[cached:-1]
-        embeddings = None  # images not in the cached prefix: prefill from the image-merged embeddings
-        if images is not None and cached < images.end:
-            if drafter is not None and drafter.tap_layers:
-                raise InvalidRequestError(f"mode {mode!r}: drafter heads don't read image prompts yet; use lookup")
-            embeddings = self.vision.features(prompt, images)[cached : len(prompt) - 1]
-            embeddings.eval()  # once: the chunks below slice it
-        for start, stop in prefill_chunks(len(to_prefill), self.prefill_chunk, embeddings):  # a chunk per step
+    def _make_drafter(self, seq: Sequence) -> None:
+        """The mode's drafter (none for baseline), drafting from the engine's and the request's corpus."""
+        with self._corpus_lock:
+            corpus = [*self.corpus.values(), *seq.request.corpus]
+        seq.drafter = None if seq.mode == "baseline" else make_drafter(seq.mode, self.target, corpus)
+        if seq.drafter is not None:
+            seq.drafter.use_context_cache(self._contexts)
+            seq.drafter.start(seq.prompt)
+            if not self.target.can_rollback(seq.cache):
+                seq.stats.note = "this model's cache can't be rolled back: decoding without drafts"
+
+    def _image_embeddings(self, seq: Sequence) -> mx.array | None:
+        """Where images lie past the cached prefix: the image-merged embeddings to prefill from."""
+        images = seq.request.images
+        if images is None or seq.cached >= images.end:
+            return None
+        if seq.drafter is not None and seq.drafter.tap_layers:
+            raise InvalidRequestError(f"mode {seq.mode!r}: drafter heads don't read image prompts yet; use lookup")
+        embeddings = self.vision.features(seq.prompt, images)[seq.cached : len(seq.prompt) - 1]
+        embeddings.eval()  # once: the chunks below slice it
+        return embeddings
+
+    def _prefill(self, seq: Sequence, embeddings: mx.array | None) -> Iterator[None]:
+        """The prompt past its cached prefix but for its last token, a chunk a step; then a
+        checkpoint for the prefix cache (models with recurrent/window layers resume only at one)."""
+        job, drafter, prompt = seq.job, seq.drafter, seq.prompt
+        to_prefill = prompt[seq.cached : -1]
+        for start, stop in prefill_chunks(len(to_prefill), self.prefill_chunk, embeddings):
             yield
             prefill(
-                target,
-                cache,
+                self.target,
+                seq.cache,
                 to_prefill[start:stop],
                 chunk_size=stop - start,
                 cancelled=lambda: job.cancelled,
@@ -531,126 +495,126 @@ class Engine:
                 tap_layers=drafter.tap_layers if drafter is not None else (),
                 embeddings=None if embeddings is None else embeddings[start:stop],
             )
-            job.prefilled = cached + stop
+            job.prefilled = seq.cached + stop
             job.emit(PrefillProgress(job.prefilled, len(prompt)))
-        stats.prefilled_tokens = len(to_prefill) + 1
-        if self.prefix_cache is not None:  # models with recurrent/window layers resume only at checkpoints
-            self.prefix_cache.checkpoint(key[:-1], cache)
-        stats.prefill_s = time.perf_counter() - t0
+        seq.stats.prefilled_tokens = len(to_prefill) + 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.checkpoint(seq.key[:-1], seq.cache)
+        seq.stats.prefill_s = time.perf_counter() - seq.t0
 
-        if self.max_batch > 1 and mode != "baseline" and joinable(target, cache):
-            self._batch.join(cache, owner=job)  # its rounds' KV stays in the batch until it ends: no per-round copy
-        controller = None
-        if mode == "baseline":
-            rounds = plain_rounds(target, cache, prompt[-1], sampling)
+    def _start_decoding(self, seq: Sequence) -> None:
+        """Its rounds: plain (baseline) or drafted and verified, in a batch row where its
+        forwards can share one; and what ends them (a stop, the length, a loop)."""
+        target, req = self.target, seq.request
+        if self.max_batch > 1 and seq.mode != "baseline" and joinable(target, seq.cache):
+            self._batch.join(seq.cache, owner=seq.job)  # its rounds' KV stays in the batch until it ends: no per-round copy
+        if seq.mode == "baseline":
+            seq.rounds = plain_rounds(target, seq.cache, seq.prompt[-1], seq.sampling)
         else:
-            cap = req.max_draft if req.max_draft is not None else self.max_draft
+            cap = req.max_draft if req.max_draft is not None else self.max_draft  # checked when it queued
             if cap == "auto":  # adapt per round to the acceptance seen (engine/tuning/draft_control.py)
-                cap = controller = draft_controller(target, len(prompt), self.kv_bits)
-                hard_cap = controller.max_cap
-            elif isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-                raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
+                cap = seq.controller = draft_controller(target, len(seq.prompt), self.kv_bits)
+                hard_cap = seq.controller.max_cap
             else:
                 hard_cap = cap
             # Never verify more draft than the request can still emit (a round adds one token of its
             # own): a 1-token request, or the last round of any, drafts nothing it would throw away.
-            left = lambda: max(0, max_tokens - len(out) - 1)  # noqa: E731
+            left = lambda: max(0, seq.max_tokens - len(seq.out) - 1)  # noqa: E731
             cap_now = cap if callable(cap) else (lambda c=cap: c)
-            rounds = speculative_rounds(target, cache, prompt[-1], drafter, sampling,
-                                        lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()),
-                                        defer_forward=self.max_batch > 1,
-                                        rollback=state_rollback(target, self.kv_bits))
+            seq.rounds = speculative_rounds(target, seq.cache, seq.prompt[-1], seq.drafter, seq.sampling,
+                                            lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()),
+                                            defer_forward=self.max_batch > 1,
+                                            rollback=state_rollback(target, self.kv_bits))
+        seq.assembler = TextAssembler(target.tokenizer, req.stop)
+        seq.eos = target.eos_token_ids
+        seq.committed = list(seq.key)  # the context the cache holds (a round's tokens past a stop are taken back)
+        seq.guard = LoopGuard(self.loop_guard) if self.loop_guard else None
+        seq.finish = "length" if seq.max_tokens <= 0 else None
+        seq.t_decode = time.perf_counter()
+        seq.job.phase = "decode"
 
-        assembler = TextAssembler(target.tokenizer, req.stop)
-        eos = target.eos_token_ids
-        out: list[int] = []
-        committed = list(key)  # the context the cache holds (a round's tokens past a stop are taken back)
-        guard = LoopGuard(self.loop_guard) if self.loop_guard else None
-        finish = "length" if max_tokens <= 0 else None
-        t_decode = time.perf_counter()
-        job.phase = "decode"
-        while finish is None:
-            if job.cancelled:
-                finish = "cancelled"
+    def _decode(self, seq: Sequence) -> Iterator[None]:
+        """A round a step until it finishes or is cancelled. A round's head draft and verify
+        forward, where it defers them, are steps of their own, left to the scheduler."""
+        while seq.finish is None:
+            if seq.job.cancelled:
+                seq.finish = "cancelled"
                 break
-            if controller is not None:  # the draft that pays depends on how many share the forward
-                controller.batch = self._decoding() if self.max_batch > 1 else 1
-            rnd = next(rounds)
+            if seq.controller is not None:  # the draft that pays depends on how many share the forward
+                seq.controller.batch = self._decoding() if self.max_batch > 1 else 1
+            rnd = next(seq.rounds)
             if isinstance(rnd, Round):
                 yield
             while not isinstance(rnd, Round):  # a head draft, a verify forward: run by the scheduler with the others'
-                yield rnd
-                rnd = next(rounds)
-            committed.extend(rnd.tokens)
-            stats.add_round(rnd.drafted, rnd.accepted, rnd.source)
-            if controller is not None:
-                controller.observe(rnd.drafted, rnd.accepted)
-            new_ids, text, provenance = [], "", []
-            for used, tok in enumerate(rnd.tokens, 1):
-                if tok in eos:
-                    finish = "stop"
-                    break
-                out.append(tok)
-                new_ids.append(tok)
-                with self.tokenizer_lock:
-                    delta, stopped = assembler.add(tok)
-                text += delta
-                provenance.append([delta, rnd.source if used <= rnd.accepted else "target"])
-                if stopped:
-                    finish = "stop_string"
-                    break
-                if len(out) >= max_tokens:
-                    finish = "length"
-                    break
-                if guard is not None and guard.add(tok):
-                    finish = "length"
-                    stats.note = guard.note()
-                    break
-            if finish and used < len(rnd.tokens) and rnd.keep_only is not None:
-                # tokens drafted past the stop: out of the cache, so what the prefix cache
-                # keeps (a turn-end checkpoint, for recurrent models) is the context the client has
-                rnd.keep_only(used)
-                del committed[len(committed) - (len(rnd.tokens) - used) :]
-            if stats.rounds == 1:
-                stats.ttft_s = time.perf_counter() - t0
-            job.generated = len(out)
-            if new_ids or text:
-                job.emit(Tokens(new_ids, text, provenance, rnd.drafted))
-        rounds.close()
-        if drafter is not None:
-            drafter.finish()
+                seq.wait_on(rnd)
+                yield
+                rnd = next(seq.rounds)
+            self._commit(seq, rnd)
+
+    def _commit(self, seq: Sequence, rnd: Round) -> None:
+        """A round's tokens, up to what ends the generation (EOS, a stop string, the length, a
+        loop), into the output and out as one Tokens event."""
+        job, stats, out = seq.job, seq.stats, seq.out
+        seq.committed.extend(rnd.tokens)
+        stats.add_round(rnd.drafted, rnd.accepted, rnd.source)
+        if seq.controller is not None:
+            seq.controller.observe(rnd.drafted, rnd.accepted)
+        new_ids, text, provenance = [], "", []
+        for used, tok in enumerate(rnd.tokens, 1):
+            if tok in seq.eos:
+                seq.finish = "stop"
+                break
+            out.append(tok)
+            new_ids.append(tok)
+            with self.tokenizer_lock:
+                delta, stopped = seq.assembler.add(tok)
+            text += delta
+            provenance.append([delta, rnd.source if used <= rnd.accepted else "target"])
+            if stopped:
+                seq.finish = "stop_string"
+                break
+            if len(out) >= seq.max_tokens:
+                seq.finish = "length"
+                break
+            if seq.guard is not None and seq.guard.add(tok):
+                seq.finish = "length"
+                stats.note = seq.guard.note()
+                break
+        if seq.finish and used < len(rnd.tokens) and rnd.keep_only is not None:
+            # tokens drafted past the stop: out of the cache, so what the prefix cache
+            # keeps (a turn-end checkpoint, for recurrent models) is the context the client has
+            rnd.keep_only(used)
+            del seq.committed[len(seq.committed) - (len(rnd.tokens) - used) :]
+        if stats.rounds == 1:
+            stats.ttft_s = time.perf_counter() - seq.t0
+        job.generated = len(out)
+        if new_ids or text:
+            job.emit(Tokens(new_ids, text, provenance, rnd.drafted))
+
+    def _finish(self, seq: Sequence) -> Done:
+        """Its last text and statistics; its cache back to the prefix cache (out of the batch first)."""
+        job, stats, assembler = seq.job, seq.stats, seq.assembler
+        seq.rounds.close()
+        if seq.drafter is not None:
+            seq.drafter.finish()
         with self.tokenizer_lock:
             tail = assembler.finish()
         if tail:
             job.emit(Tokens([], tail))
         now = time.perf_counter()
-        stats.decode_s = now - t_decode
-        stats.wall_s = now - t0
-        stats.generated_tokens = len(out)
+        stats.decode_s = now - seq.t_decode
+        stats.wall_s = now - seq.t0
+        stats.generated_tokens = len(seq.out)
         if not stats.ttft_s:
             stats.ttft_s = stats.wall_s
-        if self._batch.owns(cache):
-            self._batch.leave(cache)  # its KV back in plain KVCaches: for the prefix cache
-        self._release_cache(committed, cache)
-        return Done(finish, out, assembler.text, stats, stop_string=assembler.stop_string)
+        if self._batch.owns(seq.cache):
+            self._batch.leave(seq.cache)  # its KV back in plain KVCaches: for the prefix cache
+        self._release_cache(seq.committed, seq.cache)
+        return Done(seq.finish, seq.out, assembler.text, stats, stop_string=assembler.stop_string)
 
-    def _check_request(self, req: GenerationRequest) -> None:
-        """What makes a request fail, checked before it queues (so an HTTP client gets an HTTP error)."""
-        prompt = self._check_prompt(req)
-        if req.images is not None:
-            if self.vision is None:
-                raise InvalidRequestError("this model reads text only: images can't be given to it")
-            if req.images.end >= len(prompt):
-                raise InvalidRequestError("the prompt must not end with an image's tokens")
-        req.sampling.validate(self.target.vocab_size)
-        if req.max_tokens < 0:
-            raise InvalidRequestError("max_tokens must be >= 0")
-        resolve_mode(req.mode or self.default_mode, self.target)
-        cap = req.max_draft if req.max_draft is not None else self.max_draft
-        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
-
-    def _check_prompt(self, req: GenerationRequest) -> list[int]:
+    def _check_request(self, req: GenerationRequest) -> list[int]:
+        """What makes a request fail, checked once, before it queues (so an HTTP client gets an
+        HTTP error); returns its prompt ids (an empty prompt: the model's BOS)."""
         prompt = [int(t) for t in req.prompt_ids]
         if not prompt:
             bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -662,6 +626,18 @@ class Engine:
             raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab})")
         if len(prompt) >= self.context_window:
             raise PromptTooLongError(len(prompt), self.context_window)
+        if req.images is not None:
+            if self.vision is None:
+                raise InvalidRequestError("this model reads text only: images can't be given to it")
+            if req.images.end >= len(prompt):
+                raise InvalidRequestError("the prompt must not end with an image's tokens")
+        req.sampling.validate(vocab)
+        if req.max_tokens < 0:
+            raise InvalidRequestError("max_tokens must be >= 0")
+        resolve_mode(req.mode or self.default_mode, self.target)
+        cap = req.max_draft if req.max_draft is not None else self.max_draft
+        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise InvalidRequestError(f"max_draft must be a whole number >= 0 or 'auto', not {cap!r}")
         return prompt
 
     # Prefix-cache hooks (engine/caches/prefix_cache.py); n_cached <= len(prompt) - 1.

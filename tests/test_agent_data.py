@@ -33,7 +33,7 @@ def frames(tmp_path_factory):
     if not CLAUDE.exists():
         pytest.skip(f"{CLAUDE} is absent: run scripts/setup.sh")
     out = tmp_path_factory.mktemp("captures")
-    files = [str(ROOT / "engine" / "lookup.py"), str(ROOT / "engine" / "events.py")]
+    files = [str(ROOT / "engine" / "drafting" / "lookup.py"), str(ROOT / "engine" / "base" / "events.py")]
     p = subprocess.run([sys.executable, str(ROOT / "training" / "capture_sessions.py"), "--out", str(out),
                         "--files", *files], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -56,7 +56,7 @@ def test_sessions_train_the_three_turns_only(frames):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
-    text = (ROOT / "engine" / "radix_tree.py").read_text()
+    text = (ROOT / "engine" / "caches" / "radix_tree.py").read_text()
     rng = random.Random(5)
     forms = set()
     for _ in range(40):
@@ -98,7 +98,7 @@ def test_focus_weights_fall_on_the_rename_sites():
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
-    rb = data.RowBuilder(tok, [("pkg/radix_tree.py", (ROOT / "engine" / "radix_tree.py").read_text())], [],
+    rb = data.RowBuilder(tok, [("pkg/radix_tree.py", (ROOT / "engine" / "caches" / "radix_tree.py").read_text())], [],
                          seq_len=8192, seed=3, focus_weight=4)
     sample = None
     while sample is None:
@@ -133,7 +133,7 @@ def test_focus_covers_the_old_name_left_inside_longer_names():
 
 def test_a_rewrite_focuses_on_its_renames_only():
     """A rewrite's focus is its renames, one or two (`rename_focus`), never a line edit's text."""
-    text = (ROOT / "engine" / "radix_tree.py").read_text()
+    text = (ROOT / "engine" / "caches" / "radix_tree.py").read_text()
     rng, seen = random.Random(7), set()
     while len(seen) < 2:
         sample = data.make_task("rewrite", "pkg/radix_tree.py", text, rng)

@@ -73,9 +73,9 @@ def test_cli_warns_once_on_a_slow_blas(tiny_model_dir):
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    from engine.tuning import cost_curve
+    from engine import forget_measurements
 
-    monkeypatch.setattr(cost_curve, "_memo", {})
+    forget_measurements()
     return tmp_path / "cache"
 
 

@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 from engine import Engine, GenerationRequest
 from engine.kernels import cpu_attention
 from engine.kernels import cpu_swiglu
+from engine.kernels import attention_crossover as crossover_mod
 from engine.tuning import attention_tune as tune_mod
 from engine.kernels import native
 from tiny_models import build_tiny_model
@@ -197,21 +198,21 @@ def test_crossover_cache_is_keyed(tiny_model_dir, tmp_path, monkeypatch):
     from engine import load_target
 
     target = load_target(tiny_model_dir)
-    key = tune_mod.crossover_key(target)
+    key = crossover_mod.crossover_key(target)
     assert key["shape"] == [4, 2, 16, 16]  # seen from the model's own attention calls
     assert "cpu:" in key["device"]
-    found = tune_mod.crossover_for(target)
-    assert not found.measured and found.min_keys == tune_mod.DEFAULT_MIN_KEYS
+    found = crossover_mod.crossover_for(target)
+    assert not found.measured and found.min_keys == crossover_mod.DEFAULT_MIN_KEYS
     measured = tune_mod.measure_crossover(key["shape"], key=key, key_counts=(256, 512), chunk=128, repeats=1)
     path = tune_mod.save_crossover(measured)
-    assert tune_mod.crossover_for(target) == measured
+    assert crossover_mod.crossover_for(target) == measured
     # Another BLAS, MLX or attention shape is another file; a file with a stale key is ignored.
     for change in ({"device": key["device"] + "x"}, {"mlx": "0.0"}, {"shape": [8, 2, 16, 16]}):
-        assert tune_mod.crossover_path({**key, **change}) != path
+        assert crossover_mod.crossover_path({**key, **change}) != path
     data = json.loads(path.read_text())
     data["key"]["mlx"] = "0.0"
     path.write_text(json.dumps(data))
-    assert not tune_mod.crossover_for(target).measured
+    assert not crossover_mod.crossover_for(target).measured
 
 
 def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed):

@@ -118,7 +118,7 @@ def test_benchmark_flags_a_looping_reply_as_degenerate(tiny_model_dir, looping_o
 def test_loop_guard_flag_defaults_on_for_servers_only(tiny_model_dir):
     import argparse
 
-    from agent_bridge.cli import CommandError
+    from agent_bridge.commands import CommandError
     from agent_bridge.commands.common import add_engine_args, engine_from_args
     from engine.base.loop_guard import DEFAULT_WINDOW
 

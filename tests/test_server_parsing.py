@@ -119,7 +119,7 @@ def test_openai_and_responses_translation():
 
 
 def test_heartbeat_only_while_nothing_is_emitted():
-    from agent_bridge.serving.job_stream import Heartbeat
+    from agent_bridge.apis.sse import Heartbeat
 
     beat = Heartbeat(every_s=0.0)
     assert beat.due(False) and not beat.due(True) and beat.due(False)

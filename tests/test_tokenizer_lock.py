@@ -38,7 +38,7 @@ def test_server_paths_use_the_engine_lock(tiny_engine):
     import asyncio
 
     from agent_bridge.chat.chat_request import ChatRequest
-    from agent_bridge.serving.job_stream import Bridge
+    from agent_bridge.serving.bridge import Bridge
 
     bridge = Bridge.for_engine(tiny_engine, None, 64)
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}])

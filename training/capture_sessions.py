@@ -104,7 +104,7 @@ def main():
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = args.files or [str(p) for p in sorted((ROOT / "engine").glob("*.py")) if 30 < len(p.read_text().splitlines()) < 120][:3]
+    files = args.files or [str(p) for p in sorted((ROOT / "engine").rglob("*.py")) if 30 < len(p.read_text().splitlines()) < 120][:3]
     rng = random.Random(args.seed)
     state: dict = {}
     srv = serve(state)

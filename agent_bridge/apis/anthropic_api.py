@@ -20,11 +20,14 @@ from engine import Done
 
 from agent_bridge.chat.chat_request import (MAX_TOKENS_LIMIT, MEDIA_BLOCKS, ChatRequest, get, get_int, get_number, get_stops, media_text,
                            text_of, tool_call)
+from agent_bridge.apis.sse import EventStream, sse
 from agent_bridge.apis.stream_driver import Wire, collect_text, cut_short, drive, whole_reply
 from agent_bridge.chat.http_errors import ApiError, anthropic_body, bad_request
+from agent_bridge.chat.json_body import read_json
 from agent_bridge.chat.thinking_signature import ThinkingSigner
 from agent_bridge.chat.tool_stream import CallArgs, CallEnd, CallStart, Reasoning, Reply, Text
-from agent_bridge.serving.job_stream import Bridge, EventStream, Generation, read_json, sse
+from agent_bridge.serving.bridge import Bridge
+from agent_bridge.serving.job_stream import Generation
 from agent_bridge.serving.model_registry import use_model
 
 BILLING_PREFIX = "x-anthropic-billing-header:"

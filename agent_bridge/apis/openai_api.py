@@ -6,17 +6,20 @@ import time
 import uuid
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import Done, EngineError, Tokens
+from engine import Done, EngineError, Tokens, find_models
 
+from agent_bridge.apis.sse import EventStream, sse, sse_comment
 from agent_bridge.apis.stream_driver import PlainText, Wire, collect_text, cut_short, drive, whole_reply
 from agent_bridge.chat.chat_request import ChatRequest, MAX_TOKENS_LIMIT, check_context, get, get_int, get_number, get_stops, text_of, tool_call
 from agent_bridge.chat.http_errors import ApiError, bad_request, from_engine_error, openai_body
+from agent_bridge.chat.json_body import read_json
 from agent_bridge.chat.tool_stream import CallArgs, CallStart, Reasoning, Text
-from agent_bridge.serving.job_stream import Bridge, EventStream, read_json, sse, sse_comment
+from agent_bridge.serving.bridge import Bridge
 from agent_bridge.serving.model_registry import current_bridge, same_folder, use_model
 
 FINISH = {"length": "length", "stop": "stop", "stop_string": "stop", "cancelled": "stop"}
@@ -318,10 +321,6 @@ async def list_models(request: Request):
     cards = [{**_model_card(b), "loaded": True, "current": b is bridge} for b in registry.loaded.values()]
     cards.sort(key=lambda c: not c["current"])
     if request.query_params.get("all", "").lower() in ("1", "true", "yes"):
-        from starlette.concurrency import run_in_threadpool
-
-        from engine import find_models
-
         serving = {str(getattr(b.engine, "model_path", "")): c for b, c in zip(registry.loaded.values(), cards)}
         for info in await run_in_threadpool(find_models, getattr(request.app.state, "models_dirs", ())):
             loaded = next((c for path, c in serving.items() if same_folder(info.path, path)), None)

@@ -18,11 +18,13 @@ from starlette.routing import Route
 from engine import Done
 
 from agent_bridge.apis.openai_api import tool_choice
+from agent_bridge.apis.sse import EventStream, sse, sse_comment
 from agent_bridge.apis.stream_driver import Wire, collect_text, drive, whole_reply
 from agent_bridge.chat.chat_request import ChatRequest, MAX_TOKENS_LIMIT, get, get_int, get_number, text_of, tool_call
 from agent_bridge.chat.http_errors import ApiError, bad_request, openai_body
+from agent_bridge.chat.json_body import read_json
 from agent_bridge.chat.tool_stream import CallArgs, CallEnd, CallStart, Text, ToolCall
-from agent_bridge.serving.job_stream import Bridge, EventStream, read_json, sse, sse_comment
+from agent_bridge.serving.bridge import Bridge
 from agent_bridge.serving.model_registry import use_model
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")

@@ -15,9 +15,10 @@ from typing import Any, AsyncIterator
 
 from engine import Done, PrefillProgress, Tokens
 
+from agent_bridge.apis.sse import Heartbeat
 from agent_bridge.chat.http_errors import ApiError
 from agent_bridge.chat.tool_stream import Event, Reply, Text
-from agent_bridge.serving.job_stream import ClientGone, Generation, Heartbeat, Waiting
+from agent_bridge.serving.job_stream import ClientGone, Generation, Waiting
 
 
 class Wire:

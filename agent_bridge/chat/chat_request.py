@@ -13,9 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import GenerationRequest, InvalidRequestError, SamplingParams
+from engine import GenerationRequest, InvalidRequestError, PromptTooLongError, SamplingParams
 
 from agent_bridge.chat.http_errors import ApiError, bad_request
+from agent_bridge.chat.media import image_bytes
+from agent_bridge.chat.tool_stream import forced_call_prefix
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # above this a max_tokens is an error, below it is clamped to the context
 MAX_STOPS = 16
@@ -112,8 +114,6 @@ def render(engine: Any, req: ChatRequest) -> list[int]:
 
 def force_call(engine: Any, syntax: Any, req: ChatRequest, ids: list[int]) -> list[int]:
     """tool_choice any/tool/required: the reply starts with the model's call opening."""
-    from agent_bridge.chat.tool_stream import forced_call_prefix
-
     try:
         req.forced_prefix = forced_call_prefix(syntax, req.forced_tool or "", req.starts_thinking)
     except ValueError as e:
@@ -281,8 +281,6 @@ def resolve_media(req: ChatRequest, engine: Any) -> list[bytes]:
         note = req.omitted_content[n]
         if marker is None or not show:
             return placeholder(note["_block"])[0]
-        from agent_bridge.chat.media import image_bytes
-
         images.append(image_bytes(note["_block"], note["where"]))
         shown.add(n)
         return marker
@@ -324,8 +322,6 @@ def text_of(content: Any, where: str, allowed: tuple = ("text",), omitted: list 
 
 
 def check_context(prompt_ids: list[int], context_window: int) -> None:
-    from engine import PromptTooLongError
-
     if len(prompt_ids) >= context_window:
         raise PromptTooLongError(len(prompt_ids), context_window)
 

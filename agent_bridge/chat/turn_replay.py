@@ -20,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from agent_bridge.chat.chat_request import fold_system_messages
+
 PLACEHOLDER = "MLXDSPARKTURN{}END"
 _PROBE = [{"role": "user", "content": "MLXDSPARKPROBE"}]
 
@@ -91,8 +93,6 @@ def render_replayed(engine: Any, messages: list[dict], tools: Any, kwargs: dict,
         try:
             text = _apply(tok, shown, tools, True, kwargs)
         except Exception:  # templates that refuse a second system message (chat_request.render)
-            from agent_bridge.chat.chat_request import fold_system_messages
-
             text = _apply(tok, fold_system_messages(shown), tools, True, kwargs)
         fresh = _apply(tok, _PROBE, tools, True, kwargs)
         history = _apply(tok, _PROBE + [{"role": "assistant", "content": PLACEHOLDER.format("P")}], tools, False, kwargs)

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from agent_bridge.commands import CommandError
+from agent_bridge.commands.common import parse_max_draft
+from agent_bridge.commands.progress import end_progress, progress
 
 AGENT_SESSION = Path(__file__).resolve().parents[2].parent / "shared/fixtures/claude-code/rename-session.jsonl"
 # engine.bench.benchmark's names, repeated here so that building the parser doesn't import MLX
@@ -42,24 +44,6 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print every figure as one JSON object")
     p.add_argument("--json-file", default=None, metavar="PATH", help="also write that JSON object to PATH")
     p.set_defaults(run=run)
-
-
-_last_line = [0.0]
-
-
-def _progress(msg: str) -> None:
-    """One status line rewritten in place on a terminal; a line a second at most into a file."""
-    stamp = f"[{time.strftime('%H:%M:%S')}] {msg}"
-    if sys.stderr.isatty():
-        print(f"\r\033[K{stamp}", end="", file=sys.stderr, flush=True)
-    elif time.monotonic() - _last_line[0] >= 1.0:
-        _last_line[0] = time.monotonic()
-        print(stamp, file=sys.stderr, flush=True)
-
-
-def _end_progress() -> None:
-    if sys.stderr.isatty():
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
 def agent_turns(engine, path: Path, nonce: str) -> list[list[int]]:
@@ -130,8 +114,6 @@ def _names(value: str, allowed, flag: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from engine import BENCH_CONTENTS, Engine, available_modes, format_bench_table, run_benchmark
 
-    from agent_bridge.commands.common import parse_max_draft
-
     max_draft = parse_max_draft(args.max_draft)
     if args.trials < 1:
         raise CommandError("--trials must be >= 1")
@@ -145,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
                 _tune(engine)
             contents = build_contents(engine, args, names)
             report = run_benchmark(engine, contents, modes=modes, max_draft=max_draft, trials=args.trials,
-                                   progress=_progress)
+                                   progress=progress)
     finally:
-        _end_progress()
+        end_progress()
     _write_json(args, report)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -172,10 +154,10 @@ def _tune(engine) -> None:
     machine and model)."""
     from engine import tune, tune_batch
 
-    _progress("verify cost curve: cached or measuring (once per machine and model)")
-    engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
+    progress("verify cost curve: cached or measuring (once per machine and model)")
+    engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: progress(
         f"measuring verify cost curve: {what} ({i}/{n})")))
-    engine.call(lambda target: tune_batch(target, engine.kv_bits, on_progress=lambda what, i, n: _progress(
+    engine.call(lambda target: tune_batch(target, engine.kv_bits, on_progress=lambda what, i, n: progress(
         f"measuring batch cost surface: {what} ({i}/{n})")))
 
 
@@ -209,7 +191,7 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
                 resolved = engine.call(lambda t: resolve_mode(mode, t))
                 on_row = (lambda r: None) if args.json else (lambda r: print(f"[{resolved}] {row_line(r)}", flush=True))
                 for row in run_levels(engine, names, levels, trials=args.trials, mode=mode, max_draft=max_draft,
-                                      max_tokens=args.max_tokens, progress=_progress, on_row=on_row):
+                                      max_tokens=args.max_tokens, progress=progress, on_row=on_row):
                     rows.append({"mode": resolved, **row})
             report = {"machine": machine, "model": engine.info(),
                       "settings": {"concurrency": levels, "contents": names, "modes": modes, "max_draft": max_draft,
@@ -217,7 +199,7 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
                       "batch_surface": surface, "concurrency": rows, "load_average": {"start": load_start, "end": _load_average()},
                       "seconds": round(time.perf_counter() - t0, 1)}
     finally:
-        _end_progress()
+        end_progress()
     _write_json(args, report)
     if args.json:
         print(json.dumps(report, indent=1))

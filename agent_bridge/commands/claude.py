@@ -57,7 +57,9 @@ def find_claude(given: str | None) -> str | None:
 
 def start_server(args: argparse.Namespace, url: str) -> dict:
     """Start `mlx-dspark serve` detached, log to a file, wait for /health with progress."""
-    log_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-dspark"
+    from engine import cache_dir  # commands import the engine when they run (agent_bridge/cli.py)
+
+    log_dir = cache_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"serve-{args.port}.log"
     cmd = [sys.executable, "-m", "agent_bridge.cli", "serve", "--host", args.host, "--port", str(args.port)]

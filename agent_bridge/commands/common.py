@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from agent_bridge.commands import CommandError
+from agent_bridge.mcp.edits import DEFAULT_MAX_EDIT_HUNKS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +35,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_max_edit_hunks(parser: argparse.ArgumentParser) -> None:
-    from agent_bridge.mcp.edits import DEFAULT_MAX_EDIT_HUNKS
-
     parser.add_argument("--max-edit-hunks", type=int, default=DEFAULT_MAX_EDIT_HUNKS, metavar="N",
                         help="MCP edit_file writes a change of at most N diff hunks; a larger one is "
                              f"returned as a proposal (default {DEFAULT_MAX_EDIT_HUNKS})")

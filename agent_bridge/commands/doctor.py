@@ -8,6 +8,7 @@ import json
 import sys
 
 from agent_bridge.commands import CommandError
+from agent_bridge.commands.tune import surface_lines
 
 
 def add_parser(sub) -> None:
@@ -77,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
                   f"state capture or a replay; verify cost with half taken back: {costs})")
         print(f"{'curve':>14}: {roof['curve']}")
     if surface:
-        from agent_bridge.commands.tune import surface_lines
-
         print()
         print("\n".join(surface_lines(surface)))
     if prefill:

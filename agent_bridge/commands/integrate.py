@@ -8,11 +8,11 @@ import shutil
 import sys
 
 from agent_bridge.commands import CommandError
+from agent_bridge.integrate.clients import (CLIENTS, DEFAULT_PORT, HOOK_SCRIPTS, HOOKS_DIR, PARTS, Options,
+                                         claude_hooks_dir, mcp_command, targets)
 
 
 def add_parser(sub) -> None:
-    from agent_bridge.integrate.clients import CLIENTS, DEFAULT_PORT, PARTS
-
     p = sub.add_parser("integrate", help="configure an agent or editor: " + ", ".join(CLIENTS))
     p.add_argument("client", choices=sorted(CLIENTS), metavar="CLIENT", help=", ".join(CLIENTS))
     p.add_argument("--write", action="store_true", help="merge into the client's config files (keeps every key, writes a backup)")
@@ -31,8 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent_bridge.integrate.clients import PARTS, Options, claude_hooks_dir, mcp_command, targets
-    from agent_bridge.integrate.config_files import ConfigError, dumps, merge_into_file
+    from agent_bridge.integrate.config_files import ConfigError, dumps, merge_into_file  # loads MLX (engine.base)
 
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts or parts - set(PARTS):
@@ -68,8 +67,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"wrote {t.path}" + (f" (backup: {backup})" if backup else " (new file)"))
     if args.client == "claude-code" and "hooks" in parts:
-        from agent_bridge.integrate.clients import HOOK_SCRIPTS, HOOKS_DIR
-
         dest = claude_hooks_dir(opts)
         dest.mkdir(parents=True, exist_ok=True)
         for script in HOOK_SCRIPTS:

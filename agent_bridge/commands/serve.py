@@ -10,7 +10,7 @@ from agent_bridge.commands.models import add_models_dir_arg
 
 
 def add_parser(sub) -> None:
-    from agent_bridge.serving.job_stream import DEFAULT_MAX_QUEUE
+    from agent_bridge.serving.bridge import DEFAULT_MAX_QUEUE
     from agent_bridge.app import DEFAULT_HOST, DEFAULT_MAX_TOKENS, DEFAULT_PORT
 
     p = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Responses APIs")

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from agent_bridge.commands import CommandError
+from agent_bridge.commands.progress import end_progress, progress
 
 
 def add_parser(sub) -> None:
@@ -41,22 +42,20 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.acceptance <= 1.0:
         raise CommandError("--acceptance must be between 0 and 1")
 
-    from agent_bridge.commands.benchmark import _end_progress, _progress
-
     try:
         with Engine(args.model, kv_bits=args.kv_bits, prefix_cache=False) as engine:
             cached = engine.call(lambda t: load_cost_curve(curve_key(t, args.kv_bits)))
             curve = engine.call(lambda t: tune(t, args.kv_bits, refresh=args.refresh, **kwargs,
-                                               on_progress=lambda what, i, n: _progress(f"measuring {what} ({i}/{n})")))
+                                               on_progress=lambda what, i, n: progress(f"measuring {what} ({i}/{n})")))
             surface = engine.call(lambda t: tune_batch(
                 t, args.kv_bits, refresh=args.refresh,
-                on_progress=lambda what, i, n: _progress(f"measuring batch cost surface: {what} ({i}/{n})")))
+                on_progress=lambda what, i, n: progress(f"measuring batch cost surface: {what} ({i}/{n})")))
             prefill = None
             if not args.no_prefill:
-                _progress("measuring the prefill chunk and the CPU attention crossover")
+                progress("measuring the prefill chunk and the CPU attention crossover")
                 prefill = engine.call(lambda t: tune_prefill(t, refresh=args.refresh))
     finally:
-        _end_progress()
+        end_progress()
     if args.json:
         print(json.dumps({**curve.to_dict(), "batch_surface": {**surface.to_dict(), **surface.describe()},
                           "prefill": prefill}, indent=1))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent_bridge.integrate import jsonc_edit
 from agent_bridge.mcp.workspace import write_atomic
 
 if sys.version_info >= (3, 11):
@@ -81,8 +82,6 @@ def merge(base: Any, ours: Any, list_key: str = "name") -> Any:
 def edit_text(text: str, fmt: str, ops: list[tuple]) -> str:
     """`text` with the planned edits made in place, everything else kept."""
     if fmt in ("json", "jsonc"):
-        from agent_bridge.integrate import jsonc_edit
-
         for op, path, key, value in ops:
             if op == "add":
                 text = jsonc_edit.add_member(text, list(path), key, value)
@@ -150,8 +149,6 @@ def dumps(data: Any, fmt: str) -> str:
 def strip_jsonc(text: str) -> str:
     """JSON with // and /* */ comments and trailing commas (Zed, VS Code) -> plain JSON.
     String contents are copied untouched, commas inside them included."""
-    from agent_bridge.integrate.jsonc_edit import skip
-
     out, i, n = [], 0, len(text)
     while i < n:
         c = text[i]
@@ -163,8 +160,8 @@ def strip_jsonc(text: str) -> str:
             i = j + 1
         elif text.startswith("//", i) or text.startswith("/*", i):
             out.append(" ")
-            i = skip(text, i)
-        elif c == "," and text[skip(text, i + 1) : skip(text, i + 1) + 1] in ("}", "]"):
+            i = jsonc_edit.skip(text, i)
+        elif c == "," and text[jsonc_edit.skip(text, i + 1) : jsonc_edit.skip(text, i + 1) + 1] in ("}", "]"):
             i += 1  # a trailing comma
         else:
             out.append(c)

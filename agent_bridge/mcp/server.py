@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import string
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from mcp.server.mcpserver import MCPServer
@@ -22,7 +23,7 @@ from pydantic import Field
 
 import prompts
 
-from agent_bridge.mcp.backends import BackendError, STAT_KEYS, run_cancellable
+from agent_bridge.mcp.backends import STAT_KEYS, BackendError, EngineBackend, run_cancellable
 from agent_bridge.mcp.edits import DEFAULT_MAX_EDIT_HUNKS, Edit, GarbledOutput, check_rename, count_hunks, new_text_from_reply
 from agent_bridge.mcp.workspace import Workspace, WorkspaceError
 
@@ -307,10 +308,6 @@ def http_mount(engine, root=None, host: str = "127.0.0.1", max_edit_hunks: int =
 
     The MCP session manager needs a running task group: the lifespan provides it.
     """
-    from contextlib import asynccontextmanager
-
-    from agent_bridge.mcp.backends import EngineBackend
-
     server = build_server(EngineBackend(engine), Workspace(root), max_edit_hunks=max_edit_hunks)
     # its own Starlette app is only used for its /mcp route; DNS-rebinding protection follows `host`
     app = server.streamable_http_app(streamable_http_path="/mcp", host=host)

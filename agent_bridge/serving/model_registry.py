@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Callable
 
 import anyio
@@ -31,8 +32,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engine import model_locations, physical_memory_bytes
+
 from agent_bridge.chat.http_errors import ApiError
-from agent_bridge.serving.job_stream import Bridge, read_json
+from agent_bridge.chat.json_body import read_json
+from agent_bridge.serving.bridge import Bridge
 
 log = logging.getLogger(__name__)
 CATALOG_TTL_S = 30.0
@@ -41,8 +45,6 @@ DEFAULT_MEMORY_SHARE = 0.75  # of physical memory, for the weights of all loaded
 
 def weights_bytes(path: str) -> int:
     """What a model's weights take in memory, about: their files' size."""
-    from pathlib import Path
-
     try:
         return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
     except OSError:
@@ -50,12 +52,8 @@ def weights_bytes(path: str) -> int:
 
 
 def default_memory_budget() -> int:
-    import os
-
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MEMORY_SHARE)
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
+    memory = physical_memory_bytes()
+    return int(memory * DEFAULT_MEMORY_SHARE) if memory else 1 << 62  # unknown: no limit
 
 
 class EngineHandle:
@@ -94,8 +92,6 @@ class ModelRegistry:
 
     def _known(self) -> dict[str, str]:
         """name -> folder of the models on this machine (cached a little: it walks folders)."""
-        from engine import model_locations
-
         now = time.monotonic()
         if self._catalog is None or now - self._catalog[0] > CATALOG_TTL_S:
             self._catalog = (now, {name: str(path) for name, path, _ in model_locations(self.models_dirs)})
@@ -105,8 +101,6 @@ class ModelRegistry:
         """(name, folder) of a model on this machine, by its listed name or, with allow_paths
         (POST /v1/models/load only: a request's `model` never opens arbitrary folders), its
         folder; a folder already loaded under another name gives that name."""
-        from pathlib import Path
-
         known = self._known()
         if name in known:
             path = known[name]
@@ -242,8 +236,6 @@ def _close(bridge: Bridge) -> None:
 
 
 def same_folder(a: str, b: str) -> bool:
-    from pathlib import Path
-
     try:
         return bool(a and b) and Path(a).resolve() == Path(b).resolve()
     except OSError:

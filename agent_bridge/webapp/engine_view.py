@@ -32,14 +32,12 @@ def cost_curve(engine: Any) -> dict:
 def retune(engine: Any, depths: list[int] | None, repeats: int | None,
            on_progress: Callable[[str, int, int], None]) -> dict:
     """Measure the cost curve again (blocks the engine for its duration) and make new requests use it."""
-    import importlib
-
-    from engine import tune
+    from engine import forget_measurements, tune
 
     kwargs = {k: v for k, v in (("depths", depths), ("repeats", repeats)) if v}
     kv_bits = getattr(engine, "kv_bits", None)
     engine.call(lambda t: tune(t, kv_bits, refresh=True, on_progress=on_progress, **kwargs))
-    importlib.import_module("engine.tuning.cost_curve")._memo.clear()  # the per-process memo of the curve
+    forget_measurements()  # what this process settled on: new requests read the new curve
     return cost_curve(engine)
 
 

@@ -1,5 +1,5 @@
 """The web app's routes: the page, its static files, and the JSON/SSE API it calls (the same
-API scripts can call; README "Web app" lists it).
+API scripts can call; docs/webapp.md lists it).
 
     GET  /                        the page (for a browser; API clients probing / get /health)
     GET  /ui/...                  static files (no API key needed: the page asks for it)
@@ -17,7 +17,7 @@ API scripts can call; README "Web app" lists it).
 from __future__ import annotations
 
 import asyncio
-import json
+import shutil
 from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
@@ -26,8 +26,14 @@ from starlette.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from engine import available_modes
+
+from agent_bridge.apis.sse import SSE_HEADERS, sse
 from agent_bridge.chat.http_errors import ApiError
-from agent_bridge.serving.job_stream import SSE_HEADERS, read_json, sse
+from agent_bridge.chat.json_body import read_json
+from agent_bridge.integrate.clients import CLIENTS, HOOK_SCRIPTS, HOOKS_DIR, Options, claude_hooks_dir, mcp_command, targets
+from agent_bridge.integrate.config_files import ConfigError, dumps, merge_into_file
+from agent_bridge.serving.routes import health
 from agent_bridge.webapp import engine_view
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -51,9 +57,12 @@ def page(request: Request):
     return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
-async def server_info(request: Request):
-    from engine import available_modes
+async def home(request: Request):
+    """A browser gets the web app; clients probing the base URL get /health's answer."""
+    return page(request) if wants_page(request) else await health(request)
 
+
+async def server_info(request: Request):
     state = request.app.state
     engine = state.bridge.engine
     info = engine.info()
@@ -146,8 +155,6 @@ async def cache_clear(request: Request):
 
 
 def _integration_options(request: Request, scope: str, transport: str):
-    from agent_bridge.integrate.clients import Options, mcp_command
-
     if scope not in ("project", "user"):
         raise ApiError(400, "scope: expected 'project' or 'user'", param="scope")
     if transport not in ("stdio", "http"):
@@ -161,9 +168,6 @@ def _integration_options(request: Request, scope: str, transport: str):
 
 
 async def integrations(request: Request):
-    from agent_bridge.integrate.clients import CLIENTS, targets
-    from agent_bridge.integrate.config_files import dumps
-
     q = request.query_params
     opts = _integration_options(request, q.get("scope", "project"), q.get("transport", "stdio"))
     seen = request.app.state.telemetry.snapshot()["clients"]
@@ -177,11 +181,6 @@ async def integrations(request: Request):
 
 async def integration_write(request: Request):
     """Merge one client's config into place: `integrate CLIENT --write`'s merge and backup rules."""
-    import shutil
-
-    from agent_bridge.integrate.clients import CLIENTS, HOOK_SCRIPTS, HOOKS_DIR, claude_hooks_dir, targets
-    from agent_bridge.integrate.config_files import ConfigError, merge_into_file
-
     client = request.path_params["client"]
     if client not in CLIENTS:
         raise ApiError(404, f"unknown client {client!r}; choose from {', '.join(CLIENTS)}")
@@ -208,6 +207,7 @@ async def integration_write(request: Request):
 
 
 routes = [
+    Route("/", home, methods=["GET", "HEAD"]),  # clients probe the base URL (Claude Code sends HEAD /)
     Mount("/ui", app=StaticFiles(directory=STATIC_DIR), name="ui"),
     Route("/v1/server", server_info, methods=["GET"]),
     Route("/v1/telemetry", telemetry_stream, methods=["GET"]),

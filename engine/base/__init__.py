@@ -1,1 +1,1 @@
-"""The engine's ground floor: errors, events, sampling, stop rules, the chat template, the platform and its folders. Imports nothing else of the engine."""
+"""The engine's ground floor: errors, events, sampling, stop rules, the chat template, the platform and its folders, the one store of measurements, the per-forward context the kernels read. Imports nothing else of the engine."""

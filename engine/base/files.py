@@ -15,6 +15,14 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "mlx-dspark"
 
 
+def config_dir() -> Path:
+    """$MLX_DSPARK_CONFIG_DIR, else $XDG_CONFIG_HOME/mlx-dspark, else ~/.config/mlx-dspark."""
+    if os.environ.get("MLX_DSPARK_CONFIG_DIR"):
+        return Path(os.environ["MLX_DSPARK_CONFIG_DIR"]).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base).expanduser() / "mlx-dspark"
+
+
 def write_json(path: Path, data) -> Path:
     """A measurement cache file, written whole or not at all (readers never see half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)

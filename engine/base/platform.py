@@ -53,6 +53,16 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def physical_memory_bytes() -> int | None:
+    """The machine's memory in bytes (Linux and macOS), or None where the system doesn't say:
+    each caller then assumes its own size."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
+        return None
+    return total if total > 0 else None
+
+
 def openblas_core(lib) -> str | None:
     """The kernels a loaded OpenBLAS (a ctypes library) chose ("Haswell", "SkylakeX", ...), or None."""
     import ctypes

@@ -46,6 +46,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
+from engine.caches.kinds import CutKind, kind_of, register
+
 GROW_TOKENS = 256  # capacity grows by at least this, and by a quarter of itself (amortised copies)
 
 
@@ -56,8 +58,13 @@ def joinable(target, cache: list) -> bool:
     offsets and masks from its cache (those engine/model/target.py walks; others run alone). A cache
     whose positions are shifted (after an M-RoPE image, engine/model/vision.py) runs alone too."""
     return (target.tappable and bool(cache)
-            and all(type(c) is KVCache and c.keys is not None and not getattr(c, "position_shift", 0)
+            and all(kind_of(c).plain_kv and c.keys is not None and not getattr(c, "position_shift", 0)
                     for c in cache))
+
+
+def batch_of(cache: list) -> BatchCache | None:
+    """The batch this sequence's cache is a row of, else None (its layers are its own)."""
+    return cache[0].store if cache and kind_of(cache[0]) is ROW else None
 
 
 class BatchCache:
@@ -77,14 +84,14 @@ class BatchCache:
         return len(self.rows)
 
     def owns(self, cache: list) -> bool:
-        return bool(cache) and isinstance(cache[0], RowCache) and cache[0].store is self
+        return batch_of(cache) is self
 
     # -- join and leave ---------------------------------------------------------------------
 
     def join(self, cache: list, owner: object = None) -> None:
         """Move a prefilled sequence's KV in: `cache` (its list of KVCaches) now holds its row's
         views, in place, so every holder of the list sees them."""
-        if not cache or not all(type(c) is KVCache and c.keys is not None for c in cache):
+        if not cache or not all(kind_of(c).plain_kv and c.keys is not None for c in cache):
             raise ValueError("only filled plain KVCache layers can join a batch")
         if self.keys and len(cache) != len(self.keys):
             raise ValueError("a sequence of another model can't join this batch")
@@ -319,3 +326,8 @@ class RowCache:
     def nbytes(self) -> int:
         k, v = self.state
         return k.nbytes + v.nbytes
+
+
+# A batched row takes back a draft as the KVCache it stands for would: its tail is cut (rollback.py).
+ROW = CutKind("batched row", cuts_per_token=True)
+register(RowCache, ROW)

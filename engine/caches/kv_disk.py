@@ -153,10 +153,19 @@ class DiskTier:
         if self.by_end.get(e.end) is e:
             del self.by_end[e.end]
 
-    def _skip(self, e: DiskEntry, why: str) -> None:
+    def skip(self, e: DiskEntry, why: str) -> None:
+        """Never trust this file again (unreadable, corrupt, or not this model's layout): a warning,
+        and it is deleted."""
         log.warning("prefix cache: skipping %s: %s", e.path, why)
         self.skipped += 1
         self._drop(e, unlink=True)  # in our own identity's folder: useless to anyone
+
+    def delete_all(self) -> None:
+        """Delete every file of this identity (the prefix cache's clear)."""
+        with self.lock:
+            entries = list(self.by_end.values())
+        for e in entries:
+            self._drop(e, unlink=True)
 
     @property
     def files(self) -> int:
@@ -179,7 +188,7 @@ class DiskTier:
                 try:
                     e.tokens = read_tokens(e.path)
                 except Exception as err:  # truncated or not ours: never trusted
-                    self._skip(e, f"unreadable header ({err})")
+                    self.skip(e, f"unreadable header ({err})")
                     continue
             k = 0
             for a, b in zip(e.tokens, tokens):
@@ -195,10 +204,10 @@ class DiskTier:
         try:
             data = e.path.read_bytes()
         except OSError as err:
-            self._skip(e, str(err))
+            self.skip(e, str(err))
             return None
         if _digest(data) != e.digest:
-            self._skip(e, "content digest mismatch (truncated or corrupt)")
+            self.skip(e, "content digest mismatch (truncated or corrupt)")
             return None
         try:
             arrays, meta = mx.load(str(e.path), return_metadata=True)
@@ -213,7 +222,7 @@ class DiskTier:
                 raise ValueError("unexpected arrays")
             mx.eval(segment)  # now, while the file is surely there
         except Exception as err:
-            self._skip(e, str(err))
+            self.skip(e, str(err))
             return None
         e.tokens = array.array("i", tokens)
         self.loads += 1
@@ -300,7 +309,7 @@ class DiskTier:
                 try:
                     e.tokens = array.array("i", json.loads(read_metadata(e.path)["0.tokens"]))
                 except Exception as err:
-                    self._skip(e, f"unreadable header ({err})")
+                    self.skip(e, f"unreadable header ({err})")
                     continue
             n = len(e.tokens)
             if longer_than < n <= len(wanted) and (best is None or n > len(best.tokens)):
@@ -321,7 +330,7 @@ class DiskTier:
                 raise ValueError("tokens or layers don't match")
             mx.eval([c.state for c in cache])
         except Exception as err:
-            self._skip(e, str(err))
+            self.skip(e, str(err))
             return None
         self.loads += 1
         return cache

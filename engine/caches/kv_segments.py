@@ -2,16 +2,16 @@
 
 A segment is one list per layer of arrays whose axis 2 is the token axis:
 [keys, values] for KVCache, the six quantised parts (data, scales, biases of keys
-then of values) for QuantizedKVCache. Segments of consecutive token ranges
-concatenate into the cache of the whole range.
+then of values) for QuantizedKVCache: each kind's own answer (engine/caches/kinds.py).
+Segments of consecutive token ranges concatenate into the cache of the whole range.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import QuantizedKVCache
 
-from engine.caches.rollback import leaves, supports_drafts
+from engine.caches.kinds import kind_of, leaves
 
 SEQ_AXIS = 2
 KV_BITS = (4, 8)
@@ -33,19 +33,8 @@ def fresh_cache(target, kv_bits: int | None = None) -> list:
     cache = target.make_cache()
     if kv_bits:
         group = kv_group_size(target.config)
-        cache = [QuantizedKVCache(group_size=group, bits=kv_bits) if type(c) is KVCache else c for c in cache]
+        cache = [QuantizedKVCache(group_size=group, bits=kv_bits) if kind_of(c).plain_kv else c for c in cache]
     return cache
-
-
-def cache_kind(cache: list) -> str:
-    """"segments": every layer can be cut per token; "checkpoint": some layers keep a state that
-    can't be cut (sliding windows, recurrent layers), so those are reused only whole, at
-    checkpoints, while the attention layers still keep per-token segments; "none": neither."""
-    if cache and all(type(c) in (KVCache, QuantizedKVCache) for c in cache):
-        return "segments"
-    if supports_drafts(cache) and cache_offset(cache) is not None:
-        return "checkpoint"
-    return "none"
 
 
 def cache_offset(cache: list) -> int | None:
@@ -59,23 +48,17 @@ def cache_offset(cache: list) -> int | None:
 
 def segment_layers(cache: list) -> list:
     """The layers that keep per-token segments (plain and quantised attention), CacheList parts included."""
-    return [c for c in leaves(cache) if type(c) in (KVCache, QuantizedKVCache)]
+    return [c for c in leaves(cache) if kind_of(c).segments]
 
 
 def state_layers(cache: list) -> list:
     """The layers reused only whole (recurrent state, sliding windows)."""
-    return [c for c in leaves(cache) if type(c) not in (KVCache, QuantizedKVCache)]
-
-
-def _layer_arrays(c) -> list[mx.array]:
-    if isinstance(c, QuantizedKVCache):
-        return [*c.keys, *c.values]
-    return [c.keys, c.values]
+    return [c for c in leaves(cache) if not kind_of(c).segments]
 
 
 def slice_segment(cache: list, start: int, end: int) -> list[list[mx.array]]:
     """Copies (not views: a view would pin the whole cache buffer) of tokens [start, end)."""
-    seg = [[mx.contiguous(a[..., start:end, :]) for a in _layer_arrays(c)] for c in cache]
+    seg = [[mx.contiguous(a[..., start:end, :]) for a in kind_of(c).segment_arrays(c)] for c in cache]
     mx.eval(seg)
     return seg
 
@@ -102,12 +85,8 @@ def build_cache(cache: list, parts: list[list[list[mx.array]]]) -> list:
     n = sum(segment_tokens(p) for p in parts)
     for i, c in enumerate(cache):
         arrays = [mx.concatenate([p[i][j] for p in parts], axis=SEQ_AXIS) for j in range(len(parts[0][i]))]
-        if isinstance(c, QuantizedKVCache):
-            half = len(arrays) // 2
-            c.keys, c.values, c.offset = tuple(arrays[:half]), tuple(arrays[half:]), n
-        else:
-            c.state = (arrays[0], arrays[1], n)
-    mx.eval([_layer_arrays(c) for c in cache])
+        kind_of(c).fill(c, arrays, n)
+    mx.eval([kind_of(c).segment_arrays(c) for c in cache])
     return cache
 
 

@@ -12,6 +12,10 @@ are made, and read back lazily after a restart. The last request's own cache sta
 the next turn that extends it continues it in place instead of assembling a copy from
 segments.
 
+The two strategies are two classes behind `PrefixCache`'s interface (SegmentPrefixCache,
+CheckpointPrefixCache); `open_prefix_cache(...)` builds the one the model's cache kinds allow
+(engine/caches/kinds.py), and where they allow neither, PrefixCache itself reuses nothing.
+
 Runs on the engine thread only; `stats()` reads plain counters and `flush()` waits for
 the writer, from any thread.
 """
@@ -31,10 +35,11 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from engine.base.platform import physical_memory_bytes
+from engine.caches.kinds import kept_bytes, kind_of
 from engine.caches.kv_disk import DiskTier
 from engine.caches.kv_segments import (
     build_cache,
-    cache_kind,
     cache_offset,
     check_segment,
     cut_segment,
@@ -45,6 +50,7 @@ from engine.caches.kv_segments import (
     state_layers,
 )
 from engine.caches.radix_tree import Node, RadixTree, common_prefix, token_bytes
+from engine.caches.rollback import supports_drafts
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +59,7 @@ GIB = 1 << 30
 
 def default_max_ram_bytes() -> int:
     """min(8 GiB, a quarter of the machine's memory)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 16 * GIB
+    total = physical_memory_bytes() or 16 * GIB  # unknown: as if 16 GiB
     return min(8 * GIB, total // 4)
 
 
@@ -115,6 +118,14 @@ def weights_fingerprint(path: str) -> dict:
 
 
 class PrefixCache:
+    """The interface the engine uses, and on its own the cache of a model whose layers neither cut
+    per token nor come back whole (chunked or batched caches, unknown classes): it reuses nothing.
+    `open_prefix_cache(...)` builds the strategy the model's cache kinds allow (`strategy_for`):
+    SegmentPrefixCache or CheckpointPrefixCache."""
+
+    kind = "none"  # what stats() and the web app show: the strategy's name
+    keeps = False  # keeps anything (and so has a disk tier)
+
     def __init__(
         self,
         new_cache: Callable[[], list],
@@ -125,13 +136,10 @@ class PrefixCache:
     ):
         self.new_cache = new_cache
         self.identity = identity
-        self.kind = cache_kind(new_cache())
         self.max_ram_bytes = default_max_ram_bytes() if max_ram_bytes is None else int(max_ram_bytes)
-        self.tree = RadixTree(cut_segment, segment_nbytes, seed=identity.encode())
-        self.checkpoints: dict[tuple, tuple[list, int]] = {}  # tokens -> (cache, last used)
-        self.checkpoint_bytes = self.checkpoint_tokens = 0
+        self.tree = self._new_tree()
         self.disk = None
-        if disk_dir is not None and self.kind in ("segments", "checkpoint"):
+        if disk_dir is not None and self.keeps:
             cap = default_max_disk_bytes(disk_dir) if max_disk_bytes is None else int(max_disk_bytes)
             try:
                 self.disk = DiskTier(disk_dir, identity, cap)
@@ -153,12 +161,7 @@ class PrefixCache:
         self._pinned.clear()  # a request that failed never released its pins
         wanted = prompt[:-1]  # the last prompt token is fed by the first decode round
         live, self.live = self.live, None
-        if self.kind == "segments" and wanted:
-            cache, n = self._acquire_segments(wanted, live)
-        elif self.kind == "checkpoint" and wanted:
-            cache, n = self._acquire_checkpoint(wanted)
-        else:
-            cache, n = self.new_cache(), 0
+        cache, n = self._resume(wanted, live) if wanted else (self.new_cache(), 0)
         if n:
             self.hits += 1
             self.cached_tokens_served += n
@@ -172,32 +175,12 @@ class PrefixCache:
         n = min(cache_offset(cache) or 0, len(tokens))
         if n <= 0:
             return
-        if self.kind == "segments":
-            kept = list(tokens[:n])
-            path = self.tree.insert(kept, lambda a, b: slice_segment(cache, a, b))
-            if path and self._signature is None:
-                self._signature = segment_signature(path[-1].payload)
-            for node in path:  # new segments go to disk now (a background writer), not at exit
-                self._to_disk(node)
-            self.live = (kept, cache)
-        elif self.kind == "checkpoint":
-            self.checkpoint(tokens[:n], cache)
+        self._keep(tokens[:n], cache)
         self._evict()
 
     def checkpoint(self, tokens: list[int], cache: list) -> None:
-        """Keep the state of a cache that holds exactly `tokens` ("checkpoint" kind only;
-        the engine calls it at each prompt's end, release at each turn's end)."""
-        if self.kind != "checkpoint" or not tokens or cache_offset(cache) != len(tokens):
-            return
-        attention = segment_layers(cache)
-        if attention:
-            for node in self.tree.insert(list(tokens), lambda a, b: slice_segment(attention, a, b)):
-                self._to_disk(node)
-        key = tuple(tokens)
-        if key not in self.checkpoints:
-            # copies: the request goes on writing into its cache (rotating buffers in place)
-            self._store_checkpoint(key, [copy.deepcopy(c) for c in state_layers(cache)])
-        self._evict()
+        """Keep the state of a cache that holds exactly `tokens`: the engine calls it at each
+        prompt's end (only checkpoints keep anything here; release serves the turn's end)."""
 
     def close(self) -> None:
         """Write every segment held in RAM to the disk tier (if any)."""
@@ -206,20 +189,17 @@ class PrefixCache:
             for node in list(self.tree.nodes()):
                 self._to_disk(node)
             self.disk.close()
-        self.tree = RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
-        self.checkpoints.clear()
-        self.checkpoint_bytes = self.checkpoint_tokens = 0
+        self._forget()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every segment queued for the disk tier is written (any thread)."""
         return self.disk.flush(timeout) if self.disk is not None else True
 
     def stats(self) -> dict:
-        tokens = self.tree.n_tokens + self.checkpoint_tokens
-        ram = self.tree.nbytes + self.checkpoint_bytes
+        entries, tokens, ram = self._held()
         return {
             "kind": self.kind,
-            "entries": self.tree.n_nodes + len(self.checkpoints),
+            "entries": entries,
             "cached_tokens": tokens,
             "ram_bytes": ram,
             "max_ram_bytes": self.max_ram_bytes,
@@ -235,29 +215,38 @@ class PrefixCache:
             "tokens_served": self.cached_tokens_served,
         }
 
-    # -- segments (radix tree) --------------------------------------------------------
+    def drop(self, disk: bool = False) -> None:
+        """Empty the RAM tier. disk=False (evict): segments go to the disk tier first, as on
+        close; disk=True (clear): they are forgotten, and the disk tier's files deleted too."""
+        if disk:
+            if self.disk is not None:
+                self.disk.delete_all()
+            self._forget()
+        else:
+            self.close()
+        self._pinned.clear()
 
-    def _acquire_segments(self, wanted: list[int], live: tuple[list[int], list] | None) -> tuple[list, int]:
-        path = self._match(wanted)
-        n = sum(k for _, k in path)
-        if live is not None:
-            live_tokens, live_cache = live
-            m = common_prefix(live_tokens, wanted)
-            if m and m >= n and (m == len(live_tokens) or can_trim_prompt_cache(live_cache)):
-                trim_prompt_cache(live_cache, len(live_tokens) - m)  # no copy: continued in place
-                self._pinned.update(node for node, _ in path)
-                self.tree.touch(node for node, _ in path)
-                return live_cache, m
-        if not n:
-            return self.new_cache(), 0
-        self._pinned.update(node for node, _ in path)
-        self.tree.touch(node for node, _ in path)
-        parts = [node.payload for node, _ in path[:-1]]
-        last, k = path[-1]
-        parts.append(last.payload if k == len(last.tokens) else cut_segment(last.payload, 0, k))
-        cache = build_cache(self.new_cache(), parts)
-        self._evict()  # what came from disk may have pushed RAM past the budget
-        return cache, n
+    # -- what each strategy answers -------------------------------------------------------
+
+    def _resume(self, wanted: list[int], live: tuple[list[int], list] | None) -> tuple[list, int]:
+        """A cache for `wanted` (non-empty), and how many of its tokens it already holds."""
+        return self.new_cache(), 0
+
+    def _keep(self, tokens: list[int], cache: list) -> None:
+        """Remember a released cache that holds exactly `tokens`."""
+
+    def _held(self) -> tuple[int, int, int]:
+        """(entries, tokens, RAM bytes) kept."""
+        return self.tree.n_nodes, self.tree.n_tokens, self.tree.nbytes
+
+    def _forget(self) -> None:
+        """Empty the RAM tier."""
+        self.tree = self._new_tree()
+
+    # -- the radix tree of KV segments, shared by both strategies ---------------------------
+
+    def _new_tree(self) -> RadixTree:
+        return RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
 
     def _match(self, wanted: list[int]) -> list[tuple[Node, int]]:
         """The tree's longest match, extended from the disk tier where that matches further."""
@@ -282,7 +271,7 @@ class PrefixCache:
             try:
                 check_segment(segment, self._signature, len(tokens))
             except ValueError as err:
-                self.disk._skip(entry, str(err))
+                self.disk.skip(entry, str(err))
                 continue
             if self._signature is None:
                 self._signature = segment_signature(segment)
@@ -296,15 +285,21 @@ class PrefixCache:
             if nodes and nodes[-1].parent is base and nodes[-1].tokens == tokens:
                 nodes[-1].on_disk = True  # whole, or recoverable from its file by a partial match
 
+    def _take(self, path: list[tuple[Node, int]]) -> list:
+        """The segments of a matched path (the last one cut to its match), pinned and touched."""
+        self._pinned.update(node for node, _ in path)
+        self.tree.touch(node for node, _ in path)
+        parts = [node.payload for node, _ in path[:-1]]
+        last, k = path[-1]
+        parts.append(last.payload if k == len(last.tokens) else cut_segment(last.payload, 0, k))
+        return parts
+
     def _to_disk(self, node: Node) -> None:
         if self.disk is not None and not node.on_disk:
             node.on_disk = self.disk.write(node.parent.key, node.key, node.tokens, node.payload)
 
     def _evict(self) -> None:
-        while self.tree.nbytes + self.checkpoint_bytes > self.max_ram_bytes:
-            if self.checkpoints:
-                self._drop_oldest_checkpoint()
-                continue
+        while self._held()[2] > self.max_ram_bytes:
             victim = self.tree.lru_leaf(self._pinned)
             if victim is None:
                 return  # only the running request's path is left
@@ -312,72 +307,11 @@ class PrefixCache:
             self.tree.remove_leaf(victim)
             self.evictions += 1
 
-    # -- whole-state checkpoints --------------------------------------------------------
-
-    def _acquire_checkpoint(self, wanted: list[int]) -> tuple[list, int]:
-        cache = self.new_cache()
-        attention = segment_layers(cache)
-        # the attention layers' segments must cover the checkpoint (eviction may have cut them)
-        reach = sum(k for _, k in self._match(wanted)) if attention else len(wanted)
-        best = None
-        for tokens in self.checkpoints:
-            if len(tokens) <= reach and (best is None or len(tokens) > len(best)):
-                if list(tokens) == wanted[: len(tokens)]:
-                    best = tokens
-        if self.disk is not None:  # a longer one from an earlier run, loaded (and kept) only when it serves
-            entry = self.disk.best_checkpoint(wanted[:reach], len(best) if best else 0)
-            loaded = self.disk.load_checkpoint(entry, len(state_layers(cache))) if entry is not None else None
-            if loaded is not None:
-                best = tuple(entry.tokens)
-                self._store_checkpoint(best, loaded, to_disk=False)
-        if best is None:
-            return cache, 0
-        states, _ = self.checkpoints[best]
-        self.tree.clock += 1
-        self.checkpoints[best] = (states, self.tree.clock)
-        if attention:
-            path = self.tree.match(list(best))
-            self._pinned.update(node for node, _ in path)
-            self.tree.touch(node for node, _ in path)
-            parts = [node.payload for node, _ in path[:-1]]
-            last, k = path[-1]
-            parts.append(last.payload if k == len(last.tokens) else cut_segment(last.payload, 0, k))
-            build_cache(attention, parts)
-        for layer, saved in zip(state_layers(cache), states):
-            # a copy of the saved layer's fields: the request writes into its cache in place
-            layer.__dict__.update(copy.deepcopy(saved).__dict__)
-        return cache, len(best)
-
-    def _store_checkpoint(self, tokens: tuple, cache: list, to_disk: bool = True) -> None:
-        if tokens in self.checkpoints:
-            return
-        if to_disk and self.disk is not None:  # written now by the background writer
-            h = self.tree.root.hasher.copy()
-            h.update(token_bytes(list(tokens)))
-            self.disk.write_checkpoint(h.hexdigest(), list(tokens), cache)
-        self.tree.clock += 1
-        self.checkpoints[tokens] = (cache, self.tree.clock)
-        self.checkpoint_bytes += _cache_nbytes(cache)
-        self.checkpoint_tokens += len(tokens)
-
-    def _drop_oldest_checkpoint(self) -> None:
-        oldest = min(self.checkpoints, key=lambda t: self.checkpoints[t][1])
-        cache, _ = self.checkpoints.pop(oldest)
-        self.checkpoint_bytes -= _cache_nbytes(cache)
-        self.checkpoint_tokens -= len(oldest)
-        self.evictions += 1
-
-
     # -- a view for people (the web app's cache page), on the engine thread ---------------
 
     def branches(self, limit: int = 40) -> list[dict]:
         """The biggest branches of the radix tree (parents before children): which prompts are
         cached and how deep. `ids` are the edge's first and last tokens, for a preview."""
-        if self.kind == "checkpoint":
-            return [{"id": i, "parent": None, "start": 0, "end": len(t), "tokens": len(t), "subtree_tokens": len(t),
-                     "leaves": 1, "ram_bytes": _cache_nbytes(c), "on_disk": False, "age": self.tree.clock - used,
-                     "head_ids": list(t[:24]), "tail_ids": list(t[-24:])}
-                    for i, (t, (c, used)) in enumerate(self.checkpoints.items())][:limit]
         info: dict = {}  # node -> [start depth, subtree tokens, leaves]
         order, stack = [], [(n, 0) for n in self.tree.root.children.values()]
         while stack:
@@ -401,26 +335,147 @@ class PrefixCache:
                  "age": self.tree.clock - n.last_used, "head_ids": n.tokens[:24], "tail_ids": n.tokens[-24:]}
                 for n in chosen]
 
-    def drop(self, disk: bool = False) -> None:
-        """Empty the RAM tier. disk=False (evict): segments go to the disk tier first, as on
-        close; disk=True (clear): they are forgotten, and the disk tier's files deleted too."""
-        if disk:
-            if self.disk is not None:
-                for entry in list(self.disk.by_end.values()):
-                    self.disk._drop(entry, unlink=True)
-            self.tree = RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
-            self.checkpoints.clear()
-            self.checkpoint_bytes = self.checkpoint_tokens = 0
-        else:
-            self.close()
-        self._pinned.clear()
+
+class SegmentPrefixCache(PrefixCache):
+    """Every layer cuts per token: the radix tree of KV segments alone, and the last request's
+    cache kept live for the next turn that extends it."""
+
+    kind = "segments"
+    keeps = True
+
+    def _resume(self, wanted, live):
+        path = self._match(wanted)
+        n = sum(k for _, k in path)
+        if live is not None:
+            live_tokens, live_cache = live
+            m = common_prefix(live_tokens, wanted)
+            if m and m >= n and (m == len(live_tokens) or can_trim_prompt_cache(live_cache)):
+                trim_prompt_cache(live_cache, len(live_tokens) - m)  # no copy: continued in place
+                self._pinned.update(node for node, _ in path)
+                self.tree.touch(node for node, _ in path)
+                return live_cache, m
+        if not n:
+            return self.new_cache(), 0
+        cache = build_cache(self.new_cache(), self._take(path))
+        self._evict()  # what came from disk may have pushed RAM past the budget
+        return cache, n
+
+    def _keep(self, tokens, cache):
+        kept = list(tokens)
+        path = self.tree.insert(kept, lambda a, b: slice_segment(cache, a, b))
+        if path and self._signature is None:
+            self._signature = segment_signature(path[-1].payload)
+        for node in path:  # new segments go to disk now (a background writer), not at exit
+            self._to_disk(node)
+        self.live = (kept, cache)
 
 
-def _cache_nbytes(cache: list) -> int:
-    total = 0
-    for c in cache:
-        try:
-            total += c.nbytes
-        except Exception:  # a layer type without a size
-            pass
-    return total
+class CheckpointPrefixCache(PrefixCache):
+    """Some layers keep a state that can't be cut (sliding windows, recurrent layers): those are
+    kept whole at checkpoints (each prompt's end and each turn's end), while the attention layers
+    still put per-token segments in the tree (shared between branches). A prompt resumes from
+    the longest checkpoint it starts with."""
+
+    kind = "checkpoint"
+    keeps = True
+
+    def __init__(self, *args, **kwargs):
+        self.checkpoints: dict[tuple, tuple[list, int]] = {}  # tokens -> (state layers, last used)
+        self.checkpoint_bytes = self.checkpoint_tokens = 0
+        super().__init__(*args, **kwargs)
+
+    def checkpoint(self, tokens: list[int], cache: list) -> None:
+        if not tokens or cache_offset(cache) != len(tokens):
+            return
+        attention = segment_layers(cache)
+        if attention:
+            for node in self.tree.insert(list(tokens), lambda a, b: slice_segment(attention, a, b)):
+                self._to_disk(node)
+        key = tuple(tokens)
+        if key not in self.checkpoints:
+            # copies: the request goes on writing into its cache (rotating buffers in place)
+            self._store_checkpoint(key, [copy.deepcopy(c) for c in state_layers(cache)])
+        self._evict()
+
+    def _keep(self, tokens, cache):
+        self.checkpoint(tokens, cache)
+
+    def _resume(self, wanted, live):
+        cache = self.new_cache()
+        attention = segment_layers(cache)
+        # the attention layers' segments must cover the checkpoint (eviction may have cut them)
+        reach = sum(k for _, k in self._match(wanted)) if attention else len(wanted)
+        best = None
+        for tokens in self.checkpoints:
+            if len(tokens) <= reach and (best is None or len(tokens) > len(best)):
+                if list(tokens) == wanted[: len(tokens)]:
+                    best = tokens
+        if self.disk is not None:  # a longer one from an earlier run, loaded (and kept) only when it serves
+            entry = self.disk.best_checkpoint(wanted[:reach], len(best) if best else 0)
+            loaded = self.disk.load_checkpoint(entry, len(state_layers(cache))) if entry is not None else None
+            if loaded is not None:
+                best = tuple(entry.tokens)
+                self._store_checkpoint(best, loaded, to_disk=False)
+        if best is None:
+            return cache, 0
+        states, _ = self.checkpoints[best]
+        self.tree.clock += 1
+        self.checkpoints[best] = (states, self.tree.clock)
+        if attention:
+            build_cache(attention, self._take(self.tree.match(list(best))))
+        for layer, saved in zip(state_layers(cache), states):
+            # a copy of the saved layer's fields: the request writes into its cache in place
+            layer.__dict__.update(copy.deepcopy(saved).__dict__)
+        return cache, len(best)
+
+    def _store_checkpoint(self, tokens: tuple, cache: list, to_disk: bool = True) -> None:
+        if tokens in self.checkpoints:
+            return
+        if to_disk and self.disk is not None:  # written now by the background writer
+            h = self.tree.root.hasher.copy()
+            h.update(token_bytes(list(tokens)))
+            self.disk.write_checkpoint(h.hexdigest(), list(tokens), cache)
+        self.tree.clock += 1
+        self.checkpoints[tokens] = (cache, self.tree.clock)
+        self.checkpoint_bytes += kept_bytes(cache)
+        self.checkpoint_tokens += len(tokens)
+
+    def _held(self):
+        entries, tokens, ram = super()._held()
+        return entries + len(self.checkpoints), tokens + self.checkpoint_tokens, ram + self.checkpoint_bytes
+
+    def _evict(self) -> None:
+        while self.checkpoints and self._held()[2] > self.max_ram_bytes:  # checkpoints go first
+            oldest = min(self.checkpoints, key=lambda t: self.checkpoints[t][1])
+            cache, _ = self.checkpoints.pop(oldest)
+            self.checkpoint_bytes -= kept_bytes(cache)
+            self.checkpoint_tokens -= len(oldest)
+            self.evictions += 1
+        super()._evict()
+
+    def _forget(self) -> None:
+        super()._forget()
+        self.checkpoints.clear()
+        self.checkpoint_bytes = self.checkpoint_tokens = 0
+
+    def branches(self, limit: int = 40) -> list[dict]:
+        """The checkpoints, each as a branch from the root."""
+        return [{"id": i, "parent": None, "start": 0, "end": len(t), "tokens": len(t), "subtree_tokens": len(t),
+                 "leaves": 1, "ram_bytes": kept_bytes(c), "on_disk": False, "age": self.tree.clock - used,
+                 "head_ids": list(t[:24]), "tail_ids": list(t[-24:])}
+                for i, (t, (c, used)) in enumerate(self.checkpoints.items())][:limit]
+
+
+def strategy_for(cache: list) -> type[PrefixCache]:
+    """Which prefix cache a model's (fresh) cache allows, from its layers' kinds: segments where
+    every layer cuts per token, checkpoints where some can only come back whole, else none."""
+    if cache and all(kind_of(c).segments for c in cache):
+        return SegmentPrefixCache
+    if supports_drafts(cache) and cache_offset(cache) is not None:
+        return CheckpointPrefixCache
+    return PrefixCache
+
+
+def open_prefix_cache(new_cache: Callable[[], list], *args, **kwargs) -> PrefixCache:
+    """The prefix cache for a model whose fresh cache `new_cache()` makes (PrefixCache's arguments)."""
+    return strategy_for(new_cache())(new_cache, *args, **kwargs)

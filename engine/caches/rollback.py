@@ -20,6 +20,9 @@ that the next round sees exactly what plain decoding would have. Per layer type:
 - CacheList (falcon_h1: Mamba 2 and attention in one layer): each part as above.
 - anything else (chunked, batched caches): `supports_drafts` is False; decode plainly.
 
+Each kind's way (mark, restore, cut) is its own answer, in engine/caches/kinds.py; this module
+holds what spans the layers.
+
 When any layer needs a replay, every layer goes back to its mark first (the replay
 runs the whole model), so one `take_back` call serves every mix of layer types. With a
 capture, recurrent layers take their captured state and the others are cut as usual.
@@ -29,17 +32,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import mlx.core as mx
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ConcatenateKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
-
-from engine.caches.batch_cache import RowCache
+from engine.caches.kinds import holds_state, kind_of, leaves
 
 # How recurrent layers take back a draft: a per-position capture or a snapshot and replay.
 # Unmeasured, they capture: on CPU and CUDA mlx-lm's Gated DeltaNet already steps one
@@ -47,53 +40,20 @@ from engine.caches.batch_cache import RowCache
 ROLLBACK_MODES = ("capture", "replay")
 DEFAULT_ROLLBACK = "capture"
 
-_CUT = (KVCache, QuantizedKVCache, ConcatenateKVCache, RowCache)  # RowCache: a batched row (engine/caches/batch_cache.py)
-
-
-def leaves(cache: list):
-    """Every leaf cache (CacheList parts flattened), in layer order."""
-    for c in cache:
-        if type(c) is CacheList:
-            yield from leaves(list(c.caches))
-        else:
-            yield c
-
-
-def _kind(c) -> str | None:
-    if type(c) in _CUT:
-        return "cut"
-    if type(c) is RotatingKVCache:
-        return "window"
-    if isinstance(c, ArraysCache) and c.lengths is None and c.left_padding is None:
-        return "state"
-    return None
-
 
 def supports_drafts(cache: list) -> bool:
     """Can a rejected draft be taken back from this cache exactly?"""
-    return bool(cache) and all(_kind(c) is not None for c in leaves(cache))
+    return bool(cache) and all(kind_of(c).rollback(c) is not None for c in leaves(cache))
 
 
 def needs_replay(cache: list) -> bool:
     """Does taking back a draft re-run the kept tokens (a layer holds recurrent state)?"""
-    return any(_kind(c) == "state" for c in leaves(cache))
+    return any(holds_state(c) for c in leaves(cache))
 
 
 def mark(cache: list) -> list:
     """What each layer holds before a verify pass: enough to return to it."""
-    out = []
-    for c in leaves(cache):
-        kind = _kind(c)
-        if kind == "cut":
-            out.append(c.offset)
-        elif kind == "window":
-            # new handles: a one-token update writes into the buffer in place (a wider
-            # one builds new arrays), and must not reach what is kept here
-            keys, values = (None, None) if c.keys is None else (mx.array(c.keys), mx.array(c.values))
-            out.append((keys, values, c.offset, c._idx))
-        else:
-            out.append(list(c.cache))
-    return out
+    return [kind_of(c).mark(c) for c in leaves(cache)]
 
 
 def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[], object] | None,
@@ -110,33 +70,11 @@ def take_back(cache: list, before: list, fed: int, kept: int, replay: Callable[[
     if rejected <= 0:
         return
     layers = list(leaves(cache))
-    if any(_kind(c) == "state" for c in layers) and (captured is None or kept == 0):
+    if any(holds_state(c) for c in layers) and (captured is None or kept == 0):
         for c, m in zip(layers, before):
-            _restore(c, m)
+            kind_of(c).restore(c, m)
         if kept:
             replay()
         return
     for c, m in zip(layers, before):
-        if _kind(c) == "state":
-            c.cache = captured.slots_after(c, kept)
-        elif _kind(c) == "window" and kept == 0:
-            # nothing kept: go back whole (a one-token update rotated the buffer in place, and a
-            # full window cut below max_size would break mlx-lm's next in-place update)
-            _restore(c, m)
-        elif _kind(c) == "window":
-            end = c.keys.shape[2] - rejected
-            c.keys, c.values = c.keys[..., :end, :], c.values[..., :end, :]
-            c.offset -= rejected
-            c._idx = end
-        else:
-            c.trim(rejected)
-
-
-def _restore(c, m) -> None:
-    kind = _kind(c)
-    if kind == "cut":
-        c.trim(c.offset - m)
-    elif kind == "window":
-        c.keys, c.values, c.offset, c._idx = m
-    else:
-        c.cache = list(m)
+        kind_of(c).take_back(c, m, rejected, kept, captured)

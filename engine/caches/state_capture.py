@@ -24,15 +24,14 @@ the model and device: `cost_curve` measures both and picks.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gated_delta, ssm
 
-from engine.caches.rollback import _kind, leaves
+from engine.base.forward_context import forward_context, get_context
+from engine.caches.kinds import holds_state, kept_bytes, leaves
 
-_local = threading.local()
 # A capture holds every recurrent state of the pass: for a 27B Gated DeltaNet hybrid (48
 # layers of 3 MB float32 state) a 17-token round is 2.4 GB. Past this a round replays instead.
 CAPTURE_BYTES = 1 << 30
@@ -40,7 +39,7 @@ CAPTURE_BYTES = 1 << 30
 
 def fits(cache: list, width: int, budget: int | None = None) -> bool:
     """Would capturing a width-`width` pass over this cache stay within the budget?"""
-    held = sum(a.nbytes for c in leaves(cache) if _kind(c) == "state" for a in c.cache if a is not None)
+    held = kept_bytes([c for c in leaves(cache) if holds_state(c)])
     return width * held <= (CAPTURE_BYTES if budget is None else budget)
 
 
@@ -57,25 +56,18 @@ class Tape:
 
 
 def _tape() -> Tape | None:
-    return getattr(_local, "tape", None)
-
-
-def recording_open() -> bool:
-    """Is a verify pass on this thread being recorded?"""
-    return _tape() is not None
+    return get_context().tape
 
 
 @contextlib.contextmanager
 def recording(on: bool = True):
-    """Record the recurrences of the forward run inside (a Tape), or do nothing (None)."""
+    """Record the recurrences of the forward run inside (a Tape, the forward context's `tape`
+    on this thread), or do nothing (None)."""
     if not on:
         yield None
         return
-    _local.tape = tape = Tape()
-    try:
-        yield tape
-    finally:
-        _local.tape = None
+    with forward_context(tape=Tape()) as context:
+        yield context.tape
 
 
 class Capture:
@@ -104,7 +96,7 @@ def bind(tape: Tape | None, cache: list, fed: int) -> Capture | None:
     convs = iter(tape.convs)
     per_leaf: dict[int, list] = {}
     for c in leaves(cache):
-        if _kind(c) != "state":
+        if not holds_state(c):
             continue
         slots = []
         for value in c.cache:

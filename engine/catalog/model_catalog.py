@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.base.bundled import bundled_models
+from engine.base.files import config_dir
+from engine.caches.kinds import kind_of
 from engine.drafting.heads.loading import pairing_problems
 from engine.drafting.heads.registry import Entry, PUBLISHED, base_name
 from engine.model.config import read_config, text_config
@@ -25,7 +27,6 @@ from engine.model.vision import image_support
 
 LMSTUDIO_DIRS = ("~/.lmstudio/models", "~/.cache/lm-studio/models")
 MAX_DEPTH = 4  # publisher/model/revision-like nesting under a models folder
-TRIMMABLE_CACHES = {"KVCache", "QuantizedKVCache", "ConcatenateKVCache", "ChunkedKVCache"}
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel")
 
 
@@ -52,14 +53,6 @@ class ModelInfo:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def config_dir() -> Path:
-    """$MLX_DSPARK_CONFIG_DIR, else $XDG_CONFIG_HOME/mlx-dspark, else ~/.config/mlx-dspark."""
-    if os.environ.get("MLX_DSPARK_CONFIG_DIR"):
-        return Path(os.environ["MLX_DSPARK_CONFIG_DIR"]).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base).expanduser() / "mlx-dspark"
 
 
 def configured_model_dirs() -> list[Path]:
@@ -164,8 +157,9 @@ def quantization_of(config: dict) -> str | None:
 
 
 def cache_rollback(config: dict) -> tuple[str, str | None]:
-    """("trimmable" | "checkpoints", problem): from mlx-lm's own cache objects for this config.
-    The model is built lazily (parameters are never evaluated), so no weights are read."""
+    """("trimmable" | "checkpoints", problem): from mlx-lm's own cache objects for this config,
+    each asked whether it cuts per token (engine/caches/kinds.py). The model is built lazily
+    (parameters are never evaluated), so no weights are read."""
     try:
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.utils import _get_classes
@@ -174,8 +168,8 @@ def cache_rollback(config: dict) -> tuple[str, str | None]:
         caches = make_prompt_cache(model_class(args_class.from_dict(config)))
     except Exception as e:  # not an mlx-lm family (or a config it can't read)
         return "?", f"mlx-lm can't build it: {type(e).__name__}: {e}"
-    kinds = {type(c).__name__ for c in caches}
-    return ("trimmable" if kinds <= TRIMMABLE_CACHES else "checkpoints"), None
+    trimmable = all(kind_of(c).cuts_per_token for c in caches)
+    return ("trimmable" if trimmable else "checkpoints"), None
 
 
 class _TemplateView:

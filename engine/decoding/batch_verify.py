@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.caches.batch_cache import BatchCache, RowCache
+from engine.caches.batch_cache import BatchCache, batch_of
 from engine.caches.state_capture import bind, recording
 from engine.model.target import Target
 
@@ -51,7 +51,7 @@ def run_forwards(target: Target, forwards: list[Forward], surface=None) -> int:
     row's forward joins (the surface's own measurement). Returns how many ran in a batch."""
     groups: dict[tuple, tuple[BatchCache, list[Forward]]] = {}
     for f in forwards:
-        store = f.cache[0].store if f.cache and isinstance(f.cache[0], RowCache) else None
+        store = batch_of(f.cache)
         if store is None:
             f.run(target)
         else:

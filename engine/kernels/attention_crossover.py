@@ -11,18 +11,18 @@ Without a measurement a default that held on the machines we measured is used.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.base.files import cache_dir
+from engine.base.measurements import MeasurementStore
 from engine.base.platform import device_name
+from engine.caches.kinds import kind_of
 from engine.kernels import cpu_attention
 
 FORMAT = 1
 DEFAULT_MIN_KEYS = 512  # measured 2.7x faster than MLX already at 512 keys (2 cores, OpenBLAS)
+CROSSOVERS = MeasurementStore("attention-crossover")  # attention-crossover-<digest of key>.json
 
 
 @dataclass
@@ -36,22 +36,12 @@ class Crossover:
 
 def attention_calls(target) -> list[tuple[int, int, int, int]]:
     """(query heads, kv heads, key size, value size) of each attention call in one forward,
-    seen by running two tokens with `mx.fast.scaled_dot_product_attention` watched: one
-    way for every family, whatever its config calls these."""
+    seen by running two tokens with the attention router watching (`cpu_attention.watched_calls`):
+    one way for every family, whatever its config calls these."""
     import mlx.core as mx
 
-    seen = []
-    original = mx.fast.scaled_dot_product_attention
-
-    def watch(q, k, v, *args, **kwargs):
-        seen.append((q.shape[1], k.shape[1], k.shape[-1], v.shape[-1]))
-        return original(q, k, v, *args, **kwargs)
-
-    mx.fast.scaled_dot_product_attention = watch
-    try:
+    with cpu_attention.watched_calls() as seen:
         mx.eval(target.forward([0, 0], target.make_cache()))
-    finally:
-        mx.fast.scaled_dot_product_attention = original
     return seen
 
 
@@ -60,7 +50,7 @@ def unread_last_call(target, cache) -> int | None:
     feeds no cache (so a forward that only fills the cache need not compute it); else None.
     That holds when every cache is a plain KVCache with one attention call each: keys and
     values are cached before attention, and no recurrent state follows the last layer."""
-    if not cache or any(type(c).__name__ != "KVCache" for c in cache):
+    if not cache or not all(kind_of(c).plain_kv for c in cache):
         return None
     calls = getattr(target, "_attention_call_count", None)
     if calls is None:  # counted once per target
@@ -90,17 +80,17 @@ def crossover_key(target, shape=None) -> dict:
 
 
 def crossover_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / f"attention-crossover-{digest}.json"
+    return CROSSOVERS.path(key)
 
 
 def load_crossover(key: dict) -> Crossover | None:
+    """The measured crossover for exactly this key, or None (absent, another key's, damaged)."""
+    data = CROSSOVERS.load(key)
     try:
-        data = json.loads(crossover_path(key).read_text())
-        found = Crossover(**data)
-    except (OSError, ValueError, TypeError):
+        found = Crossover(**data) if data is not None else None
+    except TypeError:  # fields this version doesn't know
         return None
-    return found if found.key == key and found.measured else None
+    return found if found is not None and found.measured else None
 
 
 def crossover_for(target) -> Crossover:

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from engine.base.forward_context import forward_context, get_context
 from engine.kernels import native
 
 MAX_WIDTH = 64  # the widest verify forward `--max-draft auto` makes (engine/tuning/cost_curve.py measures up to it)
@@ -49,7 +50,7 @@ _pool_lock = threading.Lock()
 
 
 @functools.cache
-def _threads() -> int:
+def thread_count() -> int:
     return max(1, os.cpu_count() or 1)
 
 
@@ -100,11 +101,12 @@ def _one_blas_thread():
         set_(before)
 
 
-def _executor() -> ThreadPoolExecutor:
+def worker_pool() -> ThreadPoolExecutor:
+    """One worker per core, shared by the CPU kernels (cpu_swiglu's too)."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="cpu-attn")
+            _pool = ThreadPoolExecutor(max_workers=thread_count(), thread_name_prefix="cpu-attn")
         return _pool
 
 
@@ -138,7 +140,7 @@ def attention(
         offsets = np.full(B, S - L if causal else 0)
     elif causal and int(np.max(offsets)) + L > S:
         raise ValueError("a row's queries sit past the keys")
-    n = threads or (_threads() if q.size * S >= SPLIT_WORK else 1)
+    n = threads or (thread_count() if q.size * S >= SPLIT_WORK else 1)
     if n == 1 and L * rep <= query_rows and _heads_kernel():
         with _one_blas_thread():
             return _heads_in_c(q, k, v, scale, offsets if causal else None, key_block)
@@ -159,7 +161,7 @@ def attention(
             for item in items:
                 run(item)
         else:
-            for f in [_executor().submit(run, it) for it in items]:
+            for f in [worker_pool().submit(run, it) for it in items]:
                 f.result()
     return out
 
@@ -309,8 +311,9 @@ class _NumpySoftmax:
 
 
 # -- routing mx.fast.scaled_dot_product_attention ----------------------------------------
+# The one patch of it in the engine (`route`); what a forward asks of it is in this thread's
+# forward context (engine/base/forward_context.py), set by the blocks below.
 
-_state = threading.local()
 _original = None
 # Prefill chunks: those wider than the verify passes `--max-draft auto` makes (MAX_WIDTH).
 MIN_QUERIES = MAX_WIDTH + 1
@@ -329,35 +332,17 @@ def set_crossover(min_keys: int | None) -> None:
     _min_keys = min_keys
 
 
-@contextlib.contextmanager
-def _thread_flag(name: str):
-    """`name` set on this thread inside the block, as it was after."""
-    old = getattr(_state, name, False)
-    setattr(_state, name, True)
-    try:
-        yield
-    finally:
-        setattr(_state, name, old)
-
-
 def disabled():
     """MLX's own kernel inside this block (on this thread): references, measurements."""
-    return _thread_flag("off")
+    return forward_context(cpu_kernels_off=True)
 
 
-@contextlib.contextmanager
 def last_call_unread(calls: int | None):
-    """Inside this block (on this thread) a forward whose last attention output nobody reads:
-    a prefill chunk that only fills KV caches. MLX never evaluates that output (its graph is
-    dropped), but this path computes eagerly, so the forward's `calls`-th attention call goes
+    """Inside this block (on this thread) a prefill chunk's forward whose last attention output
+    nobody reads: a chunk that only fills KV caches. MLX never evaluates that output (its graph
+    is dropped), but this path computes eagerly, so the forward's `calls`-th attention call goes
     to MLX's kernel, lazily, and costs nothing. `calls` None: every call as usual."""
-    old = getattr(_state, "unread", None), getattr(_state, "prefill", False)
-    _state.unread = [0, calls] if calls else None
-    _state.prefill = True
-    try:
-        yield
-    finally:
-        _state.unread, _state.prefill = old
+    return forward_context(prefill=True, unread_call=calls or None, attention_calls_made=0)
 
 
 def engine_thread():
@@ -366,24 +351,16 @@ def engine_thread():
     decodes runs here, alone or batched, and so does a reference it is compared with
     (`Engine.call`): a forward of the same size computes the same way in both. Off it
     (training, a script's own forward under autodiff) MLX computes as usual."""
-    return _thread_flag("engine")
+    return forward_context(engine_thread=True)
 
 
-def on_engine_thread() -> bool:
-    return getattr(_state, "engine", False)
-
-
-def in_prefill() -> bool:
-    """Whether this thread is inside a prefill chunk's forward (`last_call_unread`): the only
-    place eager helpers such as cpu_swiglu may run (never under autodiff or mx.compile)."""
-    return getattr(_state, "prefill", False)
-
-
-def in_unread_tail() -> bool:
-    """Whether this thread's forward is past its unread last attention call (`last_call_unread`):
-    nothing after it is read, so nothing after it may be computed eagerly either."""
-    unread = getattr(_state, "unread", None)
-    return unread is not None and unread[0] >= unread[1]
+@contextlib.contextmanager
+def watched_calls():
+    """Inside this block, each attention call of this thread's forwards leaves its shape
+    (query heads, kv heads, key size, value size) in the list it yields."""
+    route()
+    with forward_context(attention_shapes=[]) as context:
+        yield context.attention_shapes
 
 
 def handles(queries, keys, mask, sinks) -> bool:
@@ -392,7 +369,7 @@ def handles(queries, keys, mask, sinks) -> bool:
     decode or verify forward of MIN_TOKENS tokens or more."""
     import mlx.core as mx
 
-    if _min_keys is None or getattr(_state, "off", False) or sinks is not None:
+    if _min_keys is None or get_context().cpu_kernels_off or sinks is not None:
         return False
     if queries.ndim != 4 or keys.ndim != 4 or queries.dtype != mx.float32 or keys.dtype != mx.float32:
         return False
@@ -404,7 +381,7 @@ def handles(queries, keys, mask, sinks) -> bool:
         return plain and S >= _min_keys
     # a decode or verify forward; an array mask is taken where it is causal per row (`row_offsets`)
     wide = queries.shape[0] * L >= MIN_TOKENS
-    return on_engine_thread() and wide and (plain or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
+    return get_context().engine_thread and wide and (plain or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
 
 
 def row_offsets(mask: np.ndarray, B: int, L: int, S: int) -> np.ndarray | None:
@@ -424,11 +401,14 @@ def row_offsets(mask: np.ndarray, B: int, L: int, S: int) -> np.ndarray | None:
 
 
 def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **kwargs):
-    unread = getattr(_state, "unread", None)
-    if unread is not None:
-        unread[0] += 1
-        last = unread[0] == unread[1]
-    if args or kwargs or scale is None or (unread is not None and last) or not handles(queries, keys, mask, sinks):
+    context = get_context()
+    if context.attention_shapes is not None:
+        context.attention_shapes.append((queries.shape[1], keys.shape[1], keys.shape[-1], values.shape[-1]))
+    last = False
+    if context.unread_call is not None:
+        context.attention_calls_made += 1
+        last = context.attention_calls_made == context.unread_call
+    if args or kwargs or scale is None or last or not handles(queries, keys, mask, sinks):
         return _original(queries, keys, values, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
     import mlx.core as mx
 
@@ -441,12 +421,12 @@ def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **k
     if isinstance(mask, mx.array):
         # every layer of a forward gets the same mask object: read it once, not once a layer
         shape = (q.shape[0], q.shape[2], k.shape[2])
-        seen = getattr(_state, "mask_read", None)
+        seen = context.mask_read
         if seen is not None and seen[0] is mask and seen[1] == shape:
             offsets = seen[2]
         else:
             offsets = row_offsets(np.asarray(mask), *shape)
-            _state.mask_read = (mask, shape, offsets)
+            context.mask_read = (mask, shape, offsets)
         if offsets is None:
             return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return mx.array(attention(q, k, v, scale, causal=mask is not None, offsets=offsets))
@@ -455,10 +435,16 @@ def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **k
 def install(min_keys: int | None) -> None:
     """Route `mx.fast.scaled_dot_product_attention` through this path above `min_keys`
     keys (idempotent; None routes nothing)."""
+    set_crossover(min_keys)
+    route()
+
+
+def route() -> None:
+    """Put the router in place of `mx.fast.scaled_dot_product_attention` (idempotent). Until a
+    crossover is set it hands every call to MLX's kernel, only counting and watching."""
     global _original
     import mlx.core as mx
 
-    set_crossover(min_keys)
     if _original is None:
         _original = mx.fast.scaled_dot_product_attention
         mx.fast.scaled_dot_product_attention = _routed

@@ -9,6 +9,7 @@ name in the loaded model's module to `_routed`, so no model file is forked. A ca
 only in the engine's forwards (a prefill chunk, or any forward on the engine's thread:
 `cpu_attention.engine_thread`), float32, on the CPU, with the kernel compiled; anything
 else, and a traced graph, goes to mlx-lm's own. `cpu_attention.disabled()` turns this off too.
+Which forward this is comes from the thread's forward context (engine/base/forward_context.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib
 
 import numpy as np
 
+from engine.base.forward_context import get_context
 from engine.kernels import cpu_attention, native
 
 _original = None
@@ -44,7 +46,7 @@ def swiglu(gate: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.nd
     g, u = np.ascontiguousarray(gate, np.float32), np.ascontiguousarray(x, np.float32)
     out = np.empty_like(g)
     n = g.size
-    parts = max(1, min(threads or cpu_attention._threads(), n // 65536))
+    parts = max(1, min(threads or cpu_attention.thread_count(), n // 65536))
     bounds = [n * i // parts for i in range(parts + 1)]
     item = g.itemsize
 
@@ -55,7 +57,7 @@ def swiglu(gate: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.nd
     if parts == 1:
         run(0)
     else:
-        for f in [cpu_attention._executor().submit(run, i) for i in range(parts)]:
+        for f in [cpu_attention.worker_pool().submit(run, i) for i in range(parts)]:
             f.result()
     return out
 
@@ -63,13 +65,14 @@ def swiglu(gate: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.nd
 def handles(gate, x) -> bool:
     import mlx.core as mx
 
-    if getattr(cpu_attention._state, "off", False) or cpu_attention.in_unread_tail():
+    context = get_context()
+    if context.cpu_kernels_off or context.past_unread_call():
         return False  # off; or in a layer whose output nothing reads: MLX's lazy graph skips it
     if gate.shape != x.shape or gate.ndim < 2 or gate.dtype != mx.float32 or x.dtype != mx.float32:
         return False
-    prefill_chunk = cpu_attention.in_prefill() and gate.shape[-2] >= cpu_attention.MIN_QUERIES
+    prefill_chunk = context.prefill and gate.shape[-2] >= cpu_attention.MIN_QUERIES
     wide = gate.size // gate.shape[-1] >= cpu_attention.MIN_TOKENS  # as the attention's
-    if not (prefill_chunk or (cpu_attention.on_engine_thread() and wide)):
+    if not (prefill_chunk or (context.engine_thread and wide)):
         return False  # a numpy result carries no gradient: only the engine's forwards
     return mx.default_device() == mx.cpu and _swiglu_kernel() is not None
 

@@ -23,17 +23,14 @@ function. The result equals the step loop's to float32 rounding, like `cpu_atten
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import threading
 
 import mlx.core as mx
 
-from engine.caches.state_capture import recording_open
+from engine.base.forward_context import forward_context, get_context
 
 CHUNK = 64
-_state = threading.local()
 # Fewer positions than this run mlx-lm's step loop: a decode step, and verify passes too
 # narrow for the chunk's fixed cost to pay off.
 MIN_POSITIONS = 2
@@ -110,9 +107,10 @@ def _unit_lower_inverse(L, C: int):
 def _routed(original):
 
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
-        # a verify pass whose states are being captured goes one position at a time
-        if (mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS and not recording_open()
-                and not getattr(_state, "off", False)):
+        # a verify pass whose states are being captured (a tape) goes one position at a time
+        context = get_context()
+        if (mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS and context.tape is None
+                and not context.chunked_delta_off):
             return chunked_gated_delta(q, k, v, g, beta, state)
         return original(q, k, v, g, beta, state, mask)
 
@@ -121,15 +119,9 @@ def _routed(original):
     return gated_delta_ops
 
 
-@contextlib.contextmanager
 def disabled():
     """mlx-lm's own step loop inside this block (on this thread): bit-level references."""
-    old = getattr(_state, "off", False)
-    _state.off = True
-    try:
-        yield
-    finally:
-        _state.off = old
+    return forward_context(chunked_delta_off=True)
 
 
 def install() -> None:

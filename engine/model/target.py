@@ -21,6 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 from engine.base.errors import ModelLoadError
+from engine.base.platform import physical_memory_bytes
 from engine.caches.rollback import supports_drafts
 from engine.kernels import cpu_swiglu, gated_delta_chunked
 from engine.kernels.attention_crossover import install_for
@@ -298,14 +299,7 @@ def dequantize_here(model: nn.Module, config: dict, wanted: bool | None = None) 
     packed = sum(v.size for k, v in tree_flatten(model.parameters()) if k.endswith("weight") and v.dtype == mx.uint32)
     plain = sum(v.size for k, v in tree_flatten(model.parameters()) if not k.endswith(("scales", "biases")))
     float_bytes = 4 * (plain - packed + packed * 32 // bits)
-    return float_bytes <= DEQUANTIZE_MEMORY_SHARE * _memory_bytes()
-
-
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
+    return float_bytes <= DEQUANTIZE_MEMORY_SHARE * (physical_memory_bytes() or 8 << 30)  # unknown: assume 8 GiB
 
 
 def _weights_dtype(model: nn.Module) -> mx.Dtype:

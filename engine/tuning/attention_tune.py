@@ -11,16 +11,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.base.files import write_json
 from engine.kernels import cpu_attention
-from engine.kernels.attention_crossover import Crossover, attention_shape, crossover_key, crossover_path, load_crossover
+from engine.kernels.attention_crossover import CROSSOVERS, Crossover, attention_shape, crossover_key, load_crossover
 
 KEY_COUNTS = (512, 1024, 2048, 4096, 8192, 16384)
 CHUNK = 512  # queries per measured chunk (the default prefill chunk)
 
 
 def save_crossover(found: Crossover) -> Path:
-    return write_json(crossover_path(found.key), asdict(found))
+    return CROSSOVERS.save(asdict(found))
 
 
 def _best_of(fn, repeats: int) -> float:

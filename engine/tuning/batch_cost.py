@@ -15,7 +15,6 @@ readers:
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import statistics
 import time
@@ -23,13 +22,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.base.files import cache_dir, write_json
+from engine.base.measurements import MeasurementStore
 from engine.base.platform import slow_blas_warning
 from engine.caches.batch_cache import BatchCache, joinable
 from engine.caches.kv_segments import fresh_cache
 from engine.caches.rollback import mark, take_back
 from engine.decoding.batch_verify import Forward, run_forwards
-from engine.tuning.cost_curve import curve_key, curve_path
+from engine.tuning.cost_curve import curve_key
 
 # 2: measured through the persistent BatchCache. Surfaces of 1 priced a per-round KV copy that
 # no longer happens (they undersold batching): measured again.
@@ -52,9 +51,14 @@ DEFAULT_MAX_BATCHED_WIDTH = 8
 DEFAULT_MAX_BATCH = 4
 
 
+# Beside the width curve of the same key: cost-batch-<digest>.json. What it settles per
+# process is each target's surface (the scheduler asks per round): (id(target), kv_bits) ->
+# (a weak reference to the target, its surface).
+SURFACES = MeasurementStore("cost-batch")
+
+
 def surface_path(key: dict):
-    """Beside the width curve of the same key: cost-batch-<digest>.json."""
-    return cache_dir() / curve_path(key).name.replace("cost-curve-", "cost-batch-")
+    return SURFACES.path(key)
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -274,19 +278,19 @@ def measure_batch_surface(
 
 def load_batch_surface(key: dict) -> BatchSurface | None:
     """The cached surface for exactly this key, or None."""
+    d = SURFACES.load(key)
+    if d is None or d.get("version") != SURFACE_VERSION:
+        return None
     try:
-        d = json.loads(surface_path(key).read_text())
         surface = BatchSurface.from_dict(d)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
-    if d.get("version") != SURFACE_VERSION:
-        return None
-    return surface if surface.key == key and surface.measured else None
+    return surface if surface.measured else None
 
 
 def save_batch_surface(surface: BatchSurface):
-    path = write_json(surface_path(surface.key), surface.to_dict())
-    _memo.clear()
+    path = SURFACES.save(surface.to_dict())
+    SURFACES.forget()  # every target looks its surface up again
     return path
 
 
@@ -317,15 +321,12 @@ def quick_surface(target, kv_bits: int | None = None) -> BatchSurface:
         return BatchSurface.default(curve_key(target, kv_bits))
 
 
-_memo: dict[tuple, tuple] = {}  # (id(target), kv_bits) -> (weak ref to the target, surface)
-
-
 def surface_for(target, kv_bits: int | None = None) -> BatchSurface:
     """The cached surface, else the default; looked up once per target (the scheduler asks
     per round). Saving a surface forgets what was looked up."""
     memo_key = (id(target), kv_bits)
-    held = _memo.get(memo_key)
-    if held is None or held[0]() is not target:
+    held = SURFACES.recall(memo_key)
+    if held is None or held[0]() is not target:  # not looked up, or another target under a reused id
         key = curve_key(target, kv_bits)
-        held = _memo[memo_key] = (weakref.ref(target), load_batch_surface(key) or BatchSurface.default(key))
+        held = SURFACES.remember(memo_key, (weakref.ref(target), load_batch_surface(key) or BatchSurface.default(key)))
     return held[1]

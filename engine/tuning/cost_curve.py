@@ -14,19 +14,17 @@ capture made during the verify pass or by a snapshot and a replay of the kept to
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from engine.base.files import cache_dir, write_json
+from engine.base.measurements import MeasurementStore
 from engine.base.platform import device_name
 from engine.caches.kv_segments import fresh_cache
 from engine.caches.rollback import DEFAULT_ROLLBACK, ROLLBACK_MODES, mark, needs_replay, take_back
-from engine.caches.state_capture import bind, recording
+from engine.caches import state_capture
 from engine.kernels.cpu_attention import MAX_WIDTH
 
 CURVE_FORMAT = 2  # 2: CPU decode and verify forwards on the compiled attention and SwiGLU (cheaper batched)
@@ -40,6 +38,9 @@ DEFAULT_MARGINAL_COST = 0.15
 
 
 # -- where curves live --------------------------------------------------------------
+
+# cost-curve-<digest of key>.json; what it settles per process is each key's curve for requests
+CURVES = MeasurementStore("cost-curve")
 
 
 def curve_key(target, kv_bits: int | None = None, **overrides) -> dict:
@@ -60,8 +61,7 @@ def curve_key(target, kv_bits: int | None = None, **overrides) -> dict:
 
 
 def curve_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / f"cost-curve-{digest}.json"
+    return CURVES.path(key)
 
 
 # -- the curve ------------------------------------------------------------------------
@@ -219,11 +219,11 @@ def measure_cost_curve(
             w = len(tokens)
             before = mark(cache)
             t0 = time.perf_counter()
-            with recording(mode == "capture" and w > 1) as tape:
+            with state_capture.recording(mode == "capture" and w > 1) as tape:
                 logits = target.forward(tokens, cache)
             mx.eval(mx.argmax(logits, axis=-1))  # what the verify loop reads back
             if mode != "none" and w > 1:
-                captured = bind(tape, cache, w)
+                captured = state_capture.bind(tape, cache, w)  # through the module: tests replace it
                 if mode == "capture" and captured is None:
                     modes.remove("capture")  # this model's recurrences can't be captured
                 kept = w // 2
@@ -284,24 +284,23 @@ def state_rollback(target, kv_bits: int | None = None) -> str:
     if getattr(target, "state_rollback", None):
         return target.state_rollback
     key = curve_key(target, kv_bits)
-    curve = _memo.get(str(curve_path(key))) or load_cost_curve(key)
+    curve = CURVES.recall(str(curve_path(key))) or load_cost_curve(key)
     return (curve.rollback if curve is not None else "") or DEFAULT_ROLLBACK
 
 
 def load_cost_curve(key: dict) -> CostCurve | None:
     """The cached curve for exactly this key, or None (absent, unreadable, or another key's)."""
-    path = curve_path(key)
+    data = CURVES.load(key)
     try:
-        data = json.loads(path.read_text())
-        curve = CostCurve.from_dict(data)
-    except (OSError, ValueError, KeyError, TypeError):
+        curve = CostCurve.from_dict(data) if data is not None else None
+    except (ValueError, KeyError, TypeError):
         return None
-    return curve if curve.key == key and curve.measured else None
+    return curve if curve is not None and curve.measured else None
 
 
 def save_cost_curve(curve: CostCurve) -> Path:
-    path = write_json(curve_path(curve.key), curve.to_dict())
-    _memo.pop(str(path), None)
+    path = CURVES.save(curve.to_dict())
+    CURVES.forget(str(path))  # the next request settles on the new curve
     return path
 
 
@@ -317,7 +316,6 @@ def tune(target, kv_bits: int | None = None, refresh: bool = False, **measure_kw
     return curve
 
 
-_memo: dict[str, CostCurve] = {}
 RECHECK_WIDTHS = (1, 16)
 RECHECK_TOLERANCE = 0.25
 
@@ -341,11 +339,12 @@ def curve_for_requests(target, kv_bits: int | None = None) -> CostCurve:
     full takes a minute; `mlx-dspark tune` does it). Settled once per process."""
     key = curve_key(target, kv_bits)
     memo_key = str(curve_path(key))  # the path holds the cache dir and the key's digest
-    if memo_key not in _memo:
+    settled = CURVES.recall(memo_key)
+    if settled is None:
         curve = load_cost_curve(key)
         if curve is not None and not curve_still_holds(target, curve, kv_bits):
             curve = measure_cost_curve(target, widths=QUICK_WIDTHS, depths=curve.depths, repeats=2,
                                        key=key, kv_bits=kv_bits)
             save_cost_curve(curve)
-        _memo[memo_key] = curve or CostCurve.default(key)
-    return _memo[memo_key]
+        settled = CURVES.remember(memo_key, curve or CostCurve.default(key))
+    return settled

@@ -10,12 +10,10 @@ OpenBLAS) is used.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from pathlib import Path
 
-from engine.base.files import cache_dir, write_json
+from engine.base.measurements import MeasurementStore
 from engine.base.platform import device_name
 from engine.decoding.verify import prefill
 from engine.kernels.attention_crossover import install_for
@@ -25,6 +23,7 @@ FORMAT = 1
 DEFAULT_CHUNK = 1024  # 4096-token prefill, bundled model: 256 18.8 s, 512 13.9, 1024 13.2, 2048 21.0 (load 10)
 CANDIDATES = (256, 512, 1024, 2048)
 MEASURE_TOKENS = 4096
+CHUNKS = MeasurementStore("prefill-chunk")  # prefill-chunk-<digest of key>.json
 
 
 def chunk_key(target) -> dict:
@@ -35,8 +34,7 @@ def chunk_key(target) -> dict:
 
 
 def chunk_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / f"prefill-chunk-{digest}.json"
+    return CHUNKS.path(key)
 
 
 def time_prefill(target, tokens: list[int], chunk: int) -> float:
@@ -70,11 +68,9 @@ def measure_chunk(target, candidates=None, tokens: int | None = None, seed: int 
 
 
 def load_chunk(key: dict) -> dict | None:
-    try:
-        found = json.loads(chunk_path(key).read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(found, dict) and found.get("key") == key and isinstance(found.get("chunk"), int)
+    """The measured chunk record for exactly this key, or None (absent, another key's, damaged)."""
+    found = CHUNKS.load(key)
+    ok = found is not None and isinstance(found.get("chunk"), int)
     return found if ok and found["chunk"] > 0 else None
 
 
@@ -83,7 +79,7 @@ def tune_chunk(target, refresh: bool = False) -> dict:
     found = None if refresh else load_chunk(key)
     if found is None:
         found = measure_chunk(target)
-        write_json(chunk_path(key), found)
+        CHUNKS.save(found)
     return found
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from engine.caches.kinds import kind_of
 from engine.kernels import cpu_attention
 from engine.kernels.attention_crossover import attention_calls, unread_last_call
 from engine.tuning.prefill_chunk import time_prefill
@@ -101,7 +102,7 @@ def blas_rates(n: int = 1024, repeats: int = 3) -> dict:
 
 
 def _fillable(cache, calls) -> bool:
-    return len(cache) == len(calls) and all(type(c).__name__ == "KVCache" for c in cache)
+    return len(cache) == len(calls) and all(kind_of(c).plain_kv for c in cache)
 
 
 def time_chunk_at(target, depth: int, ids: list[int], calls) -> float:
