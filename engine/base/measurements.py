@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from engine.base.files import cache_dir, write_json
 
@@ -67,6 +67,17 @@ class MeasurementStore:
 
 
 _STORES: list[MeasurementStore] = []
+
+
+def cached_or_measured(load: Callable[[], Any], measure: Callable[[], Any], save: Callable[[Any], Any],
+                       refresh: bool = False) -> Any:
+    """The cached record (`load()`, unless `refresh`), else one `measure()`d and `save`d: what
+    every `tune_*` does with its own store."""
+    found = None if refresh else load()
+    if found is None:
+        found = measure()
+        save(found)
+    return found
 
 
 def forget_measurements() -> None:

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.base.measurements import cached_or_measured
 from engine.kernels import cpu_attention
 from engine.kernels.attention_crossover import CROSSOVERS, Crossover, attention_shape, crossover_key, load_crossover
 
@@ -66,10 +67,5 @@ def tune_attention(target, refresh: bool = False) -> Crossover:
     """The cached crossover for this target's attention shape here; measured if absent."""
     shape = attention_shape(target)
     key = crossover_key(target, shape)
-    if not refresh:
-        found = load_crossover(key)
-        if found is not None:
-            return found
-    found = measure_crossover(shape, key=key)
-    save_crossover(found)
-    return found
+    return cached_or_measured(lambda: load_crossover(key), lambda: measure_crossover(shape, key=key),
+                              save_crossover, refresh)

@@ -22,7 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.base.measurements import MeasurementStore
+from engine.base.measurements import MeasurementStore, cached_or_measured
 from engine.base.platform import slow_blas_warning
 from engine.caches.batch_cache import BatchCache, joinable
 from engine.caches.kv_segments import fresh_cache
@@ -297,13 +297,8 @@ def save_batch_surface(surface: BatchSurface):
 def tune_batch(target, kv_bits: int | None = None, refresh: bool = False, **measure_kwargs) -> BatchSurface:
     """The cached surface for this target and machine; measured (and cached) if absent or `refresh`."""
     key = curve_key(target, kv_bits)
-    if not refresh:
-        cached = load_batch_surface(key)
-        if cached is not None:
-            return cached
-    surface = measure_batch_surface(target, key=key, kv_bits=kv_bits, **measure_kwargs)
-    save_batch_surface(surface)
-    return surface
+    return cached_or_measured(lambda: load_batch_surface(key), save=save_batch_surface, refresh=refresh,
+                              measure=lambda: measure_batch_surface(target, key=key, kv_bits=kv_bits, **measure_kwargs))
 
 
 def quick_surface(target, kv_bits: int | None = None) -> BatchSurface:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from engine.base.measurements import MeasurementStore
+from engine.base.measurements import MeasurementStore, cached_or_measured
 from engine.base.platform import device_name
 from engine.caches.kv_segments import fresh_cache
 from engine.caches.rollback import DEFAULT_ROLLBACK, ROLLBACK_MODES, mark, needs_replay, take_back
@@ -307,13 +307,8 @@ def save_cost_curve(curve: CostCurve) -> Path:
 def tune(target, kv_bits: int | None = None, refresh: bool = False, **measure_kwargs) -> CostCurve:
     """The cached curve for this target and machine; measured (and cached) if absent or `refresh`."""
     key = curve_key(target, kv_bits)
-    if not refresh:
-        cached = load_cost_curve(key)
-        if cached is not None:
-            return cached
-    curve = measure_cost_curve(target, key=key, kv_bits=kv_bits, **measure_kwargs)
-    save_cost_curve(curve)
-    return curve
+    return cached_or_measured(lambda: load_cost_curve(key), save=save_cost_curve, refresh=refresh,
+                              measure=lambda: measure_cost_curve(target, key=key, kv_bits=kv_bits, **measure_kwargs))
 
 
 RECHECK_WIDTHS = (1, 16)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engine.base.measurements import MeasurementStore
+from engine.base.measurements import MeasurementStore, cached_or_measured
 from engine.base.platform import device_name
 from engine.decoding.verify import prefill
 from engine.kernels.attention_crossover import install_for
@@ -76,11 +76,7 @@ def load_chunk(key: dict) -> dict | None:
 
 def tune_chunk(target, refresh: bool = False) -> dict:
     key = chunk_key(target)
-    found = None if refresh else load_chunk(key)
-    if found is None:
-        found = measure_chunk(target)
-        CHUNKS.save(found)
-    return found
+    return cached_or_measured(lambda: load_chunk(key), lambda: measure_chunk(target), CHUNKS.save, refresh)
 
 
 def chunk_for(target) -> int:
