@@ -50,6 +50,10 @@ class ChatRequest:
     mode: str | None = None  # decoding mode and draft cap for this request (None: the server's)
     max_draft: int | str | None = None
     provenance: bool = False  # stream how each token was produced (the web app's colouring)
+    # The reply's required shape, one form for every API (OpenAI response_format, Responses
+    # text.format, Anthropic output_format, Ollama format): None free, {"type": "json"} any JSON
+    # value, {"type": "json_schema", "schema": {...}, "name": str} JSON valid under that schema.
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.tools:  # a model's tool-call syntax is only read when the client offered tools
