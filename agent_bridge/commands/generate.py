@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from agent_bridge.commands import CommandError
@@ -26,6 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--compare", action="store_true",
+                   help="then run the same request with plain mlx-lm decoding (mode baseline): speeds side "
+                        "by side, and whether the outputs are identical")
     p.set_defaults(run=run)
 
 
@@ -73,6 +77,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"\rprefill {event.done}/{event.total}", end="", file=sys.stderr, flush=True)
             elif isinstance(event, Done):
                 done = event
+        choice = engine.last_mode_choice if (args.mode or engine.default_mode) == "auto" else None
+        plain = None
+        if args.compare:
+            if not args.json:
+                print("\n[now the same request with plain mlx-lm decoding...]", file=sys.stderr, flush=True)
+            plain = [e for e in engine.generate(replace(request, mode="baseline")) if isinstance(e, Done)][0]
     stats = done.stats
     if args.json:
         report = {
@@ -82,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens": stats.prompt_tokens,
             "generated_tokens": stats.generated_tokens,
             "mode": stats.mode,
+            "mode_choice": choice.to_dict() if choice else None,  # why `auto` ran this mode
             "rounds": stats.rounds,
             "mean_accepted": round(stats.mean_accepted, 4),
             "acceptance_rate": round(stats.acceptance_rate, 4),
@@ -90,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             "wall_s": round(stats.wall_s, 4),
             "stats": stats.to_dict(),
         }
+        if plain is not None:
+            report["compare"] = comparison(done, plain)
         print(json.dumps(report))
     else:
         print()
@@ -98,4 +111,17 @@ def run(args: argparse.Namespace) -> int:
             f"{stats.mean_accepted:.2f} tokens/forward, ttft {stats.ttft_s:.2f}s]",
             file=sys.stderr,
         )
+        if plain is not None:
+            c = comparison(done, plain)
+            print(f"[plain mlx-lm: {c['baseline_decode_tok_s']:.1f} tok/s; {stats.mode} is {c['decode_speedup']:.2f}x "
+                  f"as fast; outputs identical: {'yes' if c['identical'] else 'NO'}]", file=sys.stderr)
     return 0
+
+
+def comparison(done, plain) -> dict:
+    """The drafted run against plain decoding of the same request: decode speeds (time to first
+    token apart: the second run finds the prompt in the prefix cache) and token-for-token equality."""
+    fast, slow = done.stats.decode_tok_s, plain.stats.decode_tok_s
+    return {"identical": done.token_ids == plain.token_ids, "baseline_decode_tok_s": round(slow, 2),
+            "decode_speedup": round(fast / slow, 3) if slow else None,
+            "baseline_generated_tokens": plain.stats.generated_tokens}
