@@ -1,4 +1,4 @@
-"""The HTTP server: one Starlette app for the OpenAI, Anthropic and Responses APIs.
+"""The HTTP server: one Starlette app for the OpenAI, Anthropic, Responses and Ollama APIs.
 
     app = create_app(engine, api_key=None)      # any ASGI server runs it
     serve(engine, host="127.0.0.1", port=8080)  # or uvicorn, bound to loopback by default
@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 
-from agent_bridge.apis import anthropic_api, openai_api, responses_api
+from agent_bridge.apis import anthropic_api, ollama_api, openai_api, responses_api
 from agent_bridge.chat.json_body import DEFAULT_MAX_BODY_BYTES
 from agent_bridge.serving import model_registry
 from agent_bridge.serving import routes as server_routes
@@ -70,6 +70,7 @@ def create_app(
         *openai_api.routes,
         *anthropic_api.routes,
         *responses_api.routes,
+        *ollama_api.routes,
         *webapp.routes,
         *extra_routes,
     ]

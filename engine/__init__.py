@@ -18,6 +18,7 @@ from engine.base.platform import describe_platform, ensure_fast_blas, loaded_bla
 from engine.base.sampling import SamplingParams
 from engine.bench.benchmark import CONTENTS as BENCH_CONTENTS, Content as BenchContent, build_content as build_bench_content, format_table as format_bench_table, run_benchmark, run_nonce
 from engine.catalog.model_catalog import ModelInfo, find_models, local_models, model_locations, pairing_problems, weights_missing
+from engine.decoding.grammar import Constraint
 from engine.drafting.drafter import Draft, Drafter
 from engine.drafting.lookup import LookupDrafter
 from engine.drafting.modes import available_modes
@@ -32,6 +33,7 @@ from engine.tuning.prefill_estimate import prefill_report
 from engine.tuning.roofline import machine_report, measure_bandwidth, roofline
 
 __all__ = [
+    "Constraint",
     "BatchSurface",
     "load_batch_surface",
     "surface_for",

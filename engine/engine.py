@@ -48,6 +48,7 @@ from engine.caches.kv_segments import fresh_cache, kv_group_size
 from engine.caches.prefix_cache import PrefixCache, cache_identity, open_prefix_cache
 from engine.config import DEFAULT_MAX_DRAFT, EngineConfig
 from engine.decoding.batch_verify import run_forwards
+from engine.decoding.grammar import Grammars, GrammarState, logits_processor
 from engine.decoding.verify import Round, prefill, speculative_rounds
 from engine.drafting.heads.drafter import draft_together
 from engine.drafting.heads.loading import precheck
@@ -58,13 +59,15 @@ from engine.model.target import Target, load_target
 from engine.model.vision import PromptImages, Vision, load_vision, position_view, prefill_chunks, set_position_shift
 from engine.sequence import DRAFT, FORWARD, GenerationRequest, Job, Sequence
 from engine.tuning.batch_cost import quick_surface, surface_for
-from engine.tuning.cost_curve import state_rollback
+from engine.tuning.cost_curve import curve_for_requests, state_rollback
 from engine.tuning.draft_control import draft_controller
+from engine.tuning.mode_choice import ModeChoice, choose_mode
 from engine.tuning.prefill_chunk import chunk_for
 
 __all__ = ["DEFAULT_MAX_DRAFT", "Engine", "EngineConfig", "GenerationRequest", "Job", "engine_stream", "plain_rounds"]
 
 MAX_ENGINE_CORPUS_DOCS = 64
+PREFILL_RATE_MIN_TOKENS = 128  # shorter prefills time the per-call overhead, not the rate
 _WAKE = object()  # put on the work queue when a job is queued
 
 
@@ -111,6 +114,8 @@ class Engine:
         self.context_window = config.context_window or self.target.context_window
         self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
         self._contexts = ContextIndexCache()  # the last request's lookup index, continued
+        self.last_mode_choice: ModeChoice | None = None  # what `auto` chose last, and why (engine/tuning/mode_choice.py)
+        self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids)  # constraints
         self._settle(config)
 
     def _start_thread(self, dtype: str | None) -> None:
@@ -139,6 +144,9 @@ class Engine:
                 self.max_batch = self.call(lambda t: quick_surface(t, config.kv_bits).best_max_batch())
             if config.prefix_cache:
                 self.prefix_cache = self.call(lambda t: self._open_prefix_cache(t, config))
+            if self.max_draft == "auto":
+                # the cost curve re-checked (or re-measured) now, not in the first request's time
+                self.call(lambda t: curve_for_requests(t, config.kv_bits))
         except BaseException:
             self.close()
             raise
@@ -261,7 +269,7 @@ class Engine:
         return {
             "model": self.model_path,
             "identity": self.target.identity,
-            "dtype": self.target.dtype,
+            "dtype": self.target.dtype_name,
             "context_window": self.context_window,
             "mode": self.default_mode,
             "max_draft": self.max_draft,
@@ -269,6 +277,20 @@ class Engine:
             "kv_bits": self.kv_bits,
             "prefix_cache": self.cache_stats(),
         }
+
+    def mode_choice(self, prompt_ids: list[int]) -> ModeChoice:
+        """What `auto` would run for this prompt here, and why (engine/tuning/mode_choice.py)."""
+        return self.call(lambda t: choose_mode(t, [int(i) for i in prompt_ids], self.kv_bits))
+
+    def cached_prefix_tokens(self, prompt_ids: list[int], images: PromptImages | None = None) -> int | None:
+        """How many of the prompt's tokens the prefix cache holds in RAM now: a read-only look
+        from any thread, what the engine would reuse if it started on the prompt at once (it may
+        reuse more or less later, when it does start; its Stats say what it did). None when the
+        cache's own work kept it busy too long to look; 0 without a prefix cache."""
+        if self.prefix_cache is None:
+            return 0
+        key = images.key(list(prompt_ids), self.target.vocab_size) if images is not None else list(prompt_ids)
+        return self.prefix_cache.cached_prefix(key)
 
     def cache_stats(self) -> dict | None:
         """Prefix-cache counters (entries, bytes in RAM and on disk, hits...); None when it's off."""
@@ -439,6 +461,9 @@ class Engine:
         seq.stats = Stats(queued_s=seq.t0 - job.created)
         seq.sampling = req.sampling.for_vocab(target.vocab_size)
         seq.mode = resolve_mode(req.mode or self.default_mode, target)
+        if seq.mode == "auto":  # the mode expected fastest here for this prompt (engine/tuning/mode_choice.py)
+            self.last_mode_choice = choose_mode(target, seq.prompt, self.kv_bits, heads=req.images is None)
+            seq.mode = self.last_mode_choice.mode
         seq.stats.mode, seq.stats.prompt_tokens = seq.mode, len(seq.prompt)
         seq.max_tokens = min(req.max_tokens, self.context_window - len(seq.prompt))
         if job.cancelled:
@@ -483,8 +508,10 @@ class Engine:
         checkpoint for the prefix cache (models with recurrent/window layers resume only at one)."""
         job, drafter, prompt = seq.job, seq.drafter, seq.prompt
         to_prefill = prompt[seq.cached : -1]
+        computing = 0.0  # this prompt's own prefill time (other requests' steps run between chunks)
         for start, stop in prefill_chunks(len(to_prefill), self.prefill_chunk, embeddings):
             yield
+            t0 = time.perf_counter()
             prefill(
                 self.target,
                 seq.cache,
@@ -495,10 +522,13 @@ class Engine:
                 tap_layers=drafter.tap_layers if drafter is not None else (),
                 embeddings=None if embeddings is None else embeddings[start:stop],
             )
+            computing += time.perf_counter() - t0
             job.prefilled = seq.cached + stop
             job.emit(PrefillProgress(job.prefilled, len(prompt)))
         seq.stats.prefilled_tokens = len(to_prefill) + 1
         if self.prefix_cache is not None:
+            if len(to_prefill) >= PREFILL_RATE_MIN_TOKENS:  # the rate a disk restore must beat
+                self.prefix_cache.note_prefill(len(to_prefill), computing)
             self.prefix_cache.checkpoint(seq.key[:-1], seq.cache)
         seq.stats.prefill_s = time.perf_counter() - seq.t0
 
@@ -508,12 +538,13 @@ class Engine:
         target, req = self.target, seq.request
         if self.max_batch > 1 and seq.mode != "baseline" and joinable(target, seq.cache):
             self._batch.join(seq.cache, owner=seq.job)  # its rounds' KV stays in the batch until it ends: no per-round copy
+        seq.grammar = self.grammars.start(req.constraint) if req.constraint is not None else None
         if seq.mode == "baseline":
-            seq.rounds = plain_rounds(target, seq.cache, seq.prompt[-1], seq.sampling)
+            seq.rounds = plain_rounds(target, seq.cache, seq.prompt[-1], seq.sampling, seq.grammar)
         else:
             cap = req.max_draft if req.max_draft is not None else self.max_draft  # checked when it queued
             if cap == "auto":  # adapt per round to the acceptance seen (engine/tuning/draft_control.py)
-                cap = seq.controller = draft_controller(target, len(seq.prompt), self.kv_bits)
+                cap = seq.controller = draft_controller(target, len(seq.prompt), self.kv_bits, seq.mode)
                 hard_cap = seq.controller.max_cap
             else:
                 hard_cap = cap
@@ -524,7 +555,7 @@ class Engine:
             seq.rounds = speculative_rounds(target, seq.cache, seq.prompt[-1], seq.drafter, seq.sampling,
                                             lambda: min(cap_now(), left()), hard_cap=lambda: min(hard_cap, left()),
                                             defer_forward=self.max_batch > 1,
-                                            rollback=state_rollback(target, self.kv_bits))
+                                            rollback=state_rollback(target, self.kv_bits), grammar=seq.grammar)
         seq.assembler = TextAssembler(target.tokenizer, req.stop)
         seq.eos = target.eos_token_ids
         seq.committed = list(seq.key)  # the context the cache holds (a round's tokens past a stop are taken back)
@@ -558,7 +589,7 @@ class Engine:
         seq.committed.extend(rnd.tokens)
         stats.add_round(rnd.drafted, rnd.accepted, rnd.source)
         if seq.controller is not None:
-            seq.controller.observe(rnd.drafted, rnd.accepted)
+            seq.controller.observe(rnd.drafted, rnd.accepted, rnd.source)
         new_ids, text, provenance = [], "", []
         for used, tok in enumerate(rnd.tokens, 1):
             if tok in seq.eos:
@@ -580,6 +611,8 @@ class Engine:
                 seq.finish = "length"
                 stats.note = seq.guard.note()
                 break
+        if seq.finish is None and seq.grammar is not None and seq.grammar.done:
+            seq.finish = "stop"  # the constraint is complete: only the end could follow
         if seq.finish and used < len(rnd.tokens) and rnd.keep_only is not None:
             # tokens drafted past the stop: out of the cache, so what the prefix cache
             # keeps (a turn-end checkpoint, for recurrent models) is the context the client has
@@ -632,6 +665,8 @@ class Engine:
             if req.images.end >= len(prompt):
                 raise InvalidRequestError("the prompt must not end with an image's tokens")
         req.sampling.validate(vocab)
+        if req.constraint is not None:
+            self.grammars.check(req.constraint)
         if req.max_tokens < 0:
             raise InvalidRequestError("max_tokens must be >= 0")
         resolve_mode(req.mode or self.default_mode, self.target)
@@ -663,8 +698,10 @@ def engine_stream():
     return mx.default_stream(mx.default_device())
 
 
-def plain_rounds(target: Target, cache: list, last_token: int, sampling: SamplingParams) -> Iterator[Round]:
-    """Plain decoding through mlx-lm's own generate_step: the reference, one token a round."""
+def plain_rounds(target: Target, cache: list, last_token: int, sampling: SamplingParams,
+                 grammar: GrammarState | None = None) -> Iterator[Round]:
+    """Plain decoding through mlx-lm's own generate_step: the reference, one token a round;
+    a `grammar` masks each step's logits before mlx-lm's sampler picks."""
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     steps = generate_step(
@@ -674,10 +711,15 @@ def plain_rounds(target: Target, cache: list, last_token: int, sampling: Samplin
         sampler=sampling.mlx_lm_sampler(),
         prompt_cache=position_view(cache),  # shifted positions after an M-RoPE image (engine/model/vision.py)
         stream=engine_stream(),
+        logits_processors=[logits_processor(grammar)] if grammar is not None else None,
     )
     t = time.perf_counter()
+    generated: list[int] = []
     try:
         for token, _ in steps:
+            if grammar is not None:  # advanced already where mlx-lm ran the next step first
+                generated.append(int(token))
+                grammar.follow(generated)
             now = time.perf_counter()
             yield Round([int(token)], 0, 0, now - t)
             t = now

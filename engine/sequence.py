@@ -20,6 +20,7 @@ from engine.base.events import Done, Stats
 from engine.base.loop_guard import LoopGuard
 from engine.base.sampling import SamplingParams
 from engine.base.stops import TextAssembler
+from engine.decoding.grammar import Constraint, GrammarState
 from engine.drafting.drafter import Drafter
 from engine.drafting.heads.drafter import HeadCall
 from engine.model.vision import PromptImages
@@ -37,6 +38,7 @@ class GenerationRequest:
     max_draft: int | str | None = None  # a cap, "auto", or None: the engine's default
     corpus: list[list[int]] = field(default_factory=list)  # extra sequences to draft from (this request only)
     images: PromptImages | None = None  # a VLM prompt's images (Engine.render_chat_images)
+    constraint: Constraint | None = None  # the reply's grammar (a JSON schema...): engine/decoding/grammar.py
 
 
 class Job:
@@ -114,6 +116,7 @@ class Sequence:
     assembler: TextAssembler | None = None
     eos: Any = ()  # the model's end-of-sequence ids
     guard: LoopGuard | None = None
+    grammar: GrammarState | None = None  # where the reply stands in its request's constraint
     out: list[int] = field(default_factory=list)  # the tokens generated
     committed: list[int] = field(default_factory=list)  # the context its cache holds
     finish: str | None = None

@@ -92,5 +92,6 @@ def extract_code(text: str) -> str | None:
 
 
 def fence_lines(text: str) -> list[str]:
-    """Lines of ``text`` that open or close a code block (three or more backticks)."""
-    return [line for line in text.splitlines() if re.match(r"^ {0,3}```", line)]
+    """Lines of ``text`` that look like a code fence (``` or ~~~) at any indentation: a
+    fenced example inside an indented docstring counts as much as one in Markdown."""
+    return [line for line in text.splitlines() if line.lstrip().startswith(("```", "~~~"))]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from engine import Engine, GenerationRequest
 from engine.caches.batch_cache import GROW_TOKENS, BatchCache, RowCache
@@ -17,6 +16,7 @@ from engine.decoding.batch_verify import Forward, choose_batch, run_forwards
 from engine.caches.kv_segments import fresh_cache
 from engine.caches.rollback import mark, take_back
 
+from greedy_ties import argmax_equal_away_from_ties, assert_same_greedy_away_from_ties
 from test_batch_cost import synthetic
 
 
@@ -61,8 +61,8 @@ def test_ragged_rows_verify_together_roll_back_apart_and_leave(target):
             ref = target.forward(d, a)
             assert f.result[0].shape == ref.shape
             assert close(f.result[0], ref)
-            assert mx.array_equal(mx.argmax(f.result[0], axis=-1), mx.argmax(ref, axis=-1))
-            assert f.picks() == mx.argmax(ref, axis=-1).tolist()  # read for every row at once
+            assert argmax_equal_away_from_ties(f.result[0], ref)  # batched and alone: float32 rounding apart
+            assert f.picks() == mx.argmax(f.result[0], axis=-1).tolist()  # read for every row at once
             take_back(f.cache, mr, len(d), k, replay=None)
             take_back(a, ma, len(d), k, replay=None)
         assert [r[0].offset for r in rows] == [a[0].offset for a in alone]
@@ -135,7 +135,8 @@ def test_engine_joins_each_sequence_once_and_the_prefix_cache_gets_its_kv(tiny_e
         store.leave = lambda cache: (leaves.append(1), leave(cache))[1]
         jobs = [engine.submit(GenerationRequest(i, max_tokens=30, mode="lookup")) for i in ids]
         done = [j.result() for j in jobs]
-        assert [d.token_ids for d in done] == expected
+        for i, want, d in zip(ids, expected, done):  # batched vs alone: other kernels' rounding
+            assert_same_greedy_away_from_ties(tiny_engine, i, want, d.token_ids)
         assert engine.load()["batched_rounds"] > 0
         assert len(joins) == 3 and len(leaves) == 3 and store.used == 0  # once each, not per round
         # the next turn of each conversation finds its whole context in the prefix cache
@@ -143,8 +144,8 @@ def test_engine_joins_each_sequence_once_and_the_prefix_cache_gets_its_kv(tiny_e
             follow = i + d.token_ids + tiny_engine.encode(" and then")
             again = engine.submit(GenerationRequest(follow, max_tokens=10, mode="lookup")).result()
             assert again.stats.cached_tokens >= len(i) + len(d.token_ids) - 1
-            assert again.token_ids == tiny_engine.submit(
-                GenerationRequest(follow, max_tokens=10, mode="lookup")).result().token_ids
+            fresh = tiny_engine.submit(GenerationRequest(follow, max_tokens=10, mode="lookup")).result().token_ids
+            assert_same_greedy_away_from_ties(tiny_engine, follow, fresh, again.token_ids)
 
 
 def test_cancelled_or_failed_sequences_give_their_rows_back(tiny_model_dir, target):
@@ -178,7 +179,8 @@ def test_a_batched_forward_that_fails_leaves_its_rows_running_alone(tiny_engine,
     expected = [tiny_engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")).result().token_ids for i in ids]
     with Engine(str(tiny_model_dir), max_batch=2, prefix_cache=False) as engine:
         jobs = [engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")) for i in ids]
-        assert [j.result().token_ids for j in jobs] == expected
+        for i, want, j in zip(ids, expected, jobs):
+            assert_same_greedy_away_from_ties(tiny_engine, i, want, j.result().token_ids)
         assert engine.load()["batched_rounds"] == 0 and "per-row offsets" in engine._batch.failed
 
 

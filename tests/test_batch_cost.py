@@ -17,6 +17,7 @@ from engine import (BatchSurface, CostCurve, DraftController, Engine, Generation
 from engine.tuning.batch_cost import save_batch_surface, surface_path
 from engine.decoding.batch_verify import Forward, choose_batch
 from engine.tuning.cost_curve import curve_path
+from greedy_ties import assert_same_greedy_away_from_ties
 
 BATCHES, WIDTHS = [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]
 
@@ -144,7 +145,8 @@ def test_engine_batches_only_what_the_surface_says_pays(cache_home, tiny_model_d
             save_batch_surface(surface)
             before = engine.load()["batched_rounds"]
             jobs = [engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")) for i in ids]
-            assert [j.result().token_ids for j in jobs] == alone
+            for i, want, j in zip(ids, alone, jobs):  # batched vs alone: other kernels' rounding
+                assert_same_greedy_away_from_ties(engine, i, want, j.result().token_ids)
             assert (engine.load()["batched_rounds"] > before) is batched
     # --max-batch auto: the surface's choice (8 for the paying one, cached above)
     with Engine(str(tiny_model_dir), max_batch="auto", prefix_cache=False) as engine:

@@ -4,6 +4,7 @@ where it is exact, and greedy output identical to plain mlx-lm at 1k, 8k and 16k
 from __future__ import annotations
 
 import json
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -18,6 +19,7 @@ from engine.kernels import cpu_swiglu
 from engine.kernels import attention_crossover as crossover_mod
 from engine.tuning import attention_tune as tune_mod
 from engine.kernels import native
+from greedy_ties import argmax_equal_away_from_ties, assert_same_greedy_away_from_ties
 from tiny_models import build_tiny_model
 
 
@@ -32,8 +34,8 @@ def softmax_step(request, monkeypatch):
 
 
 def test_compiled_kernel_is_used_where_a_compiler_is():
-    if native.compiler() is None:
-        pytest.skip("no C compiler here")
+    if native.compiler() is None or os.environ.get("MLX_DSPARK_NATIVE") == "0":
+        pytest.skip("no C compiler here, or kernels turned off")
     assert cpu_attention._compiled() is not None
 
 
@@ -162,7 +164,8 @@ def test_greedy_equals_mlx_lm_at_depth(long_model, routed, length):
         assert not routed
         for mode in ("baseline", "lookup"):
             done = list(engine.generate(GenerationRequest(prompt, max_tokens=16, mode=mode)))[-1]
-            assert done.token_ids == ref, mode
+            # our kernel vs MLX's: float32 rounding apart, so equal away from near-ties
+            assert_same_greedy_away_from_ties(engine, prompt, ref, done.token_ids)
         full_chunks = (length - 1) // 512  # chunks of 512 queries (the tail may be under 65)
         # 2 modes x 1 layer: every full chunk took it, in all layers but the last (unread in a prefill)
         assert len(routed) >= 2 * 1 * full_chunks
@@ -190,7 +193,7 @@ def test_logits_agree_to_float32_rounding(tiny_model_dir, routed):
         assert routed
         ref = engine.call(lambda t: logits(t, False))
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert argmax_equal_away_from_ties(mx.array(ours), mx.array(ref))
 
 
 def test_crossover_cache_is_keyed(tiny_model_dir, tmp_path, monkeypatch):
@@ -300,9 +303,10 @@ def test_verify_forwards_take_this_path_on_the_engine_thread_only(routed):
 
 
 def test_a_row_of_a_batched_forward_equals_it_alone():
-    """Per row, the compiled kernel's work is the same in a batch (more keys, masked, and padded
-    queries) as alone: bitwise equal. (numpy's passes are not: its sums' pairwise blocking
-    follows the row's length.)"""
+    """A row of a batch (more keys, masked, and padded queries) equals it alone: bitwise where the
+    kernel makes the same BLAS calls (the whole row: the same rows and keys), to float32 rounding
+    where it doesn't (a narrower row: OpenBLAS picks its sgemm kernel by shape and CPU). A row
+    that saw one key too many, or another row's keys, is off by 0.08 or more."""
     if cpu_attention._compiled() is None:
         pytest.skip("no C compiler here")
     rng = np.random.default_rng(2)
@@ -318,4 +322,7 @@ def test_a_row_of_a_batched_forward_equals_it_alone():
         for width in (L, 3):
             alone = cpu_attention.attention(q[b : b + 1, :, :width], k[b : b + 1, :, : start + width],
                                             v[b : b + 1, :, : start + width], 0.25, causal=True)
-            assert np.array_equal(alone[0], together[b, :, :width])
+            if width == L:
+                assert np.array_equal(alone[0], together[b, :, :width])
+            else:
+                np.testing.assert_allclose(alone[0], together[b, :, :width], rtol=1e-5, atol=1e-6)

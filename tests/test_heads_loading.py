@@ -15,7 +15,7 @@ from engine import Engine, ModelLoadError
 from engine.drafting.heads import DrafterLoadError, load_head
 from engine.drafting.heads.export import dflash_config, dspark_config, random_head_checkpoint, save_checkpoint
 from engine.drafting.heads.registry import base_name
-from engine.drafting.modes import resolve_mode
+from engine.drafting.modes import auto_candidates
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +127,11 @@ def test_modes_registry_and_engine_option(tiny_model_dir, tc, tmp_path):
     assert base_name("Qwen/Qwen3-14B") == "qwen3-14b"
     path = random_head_checkpoint(tmp_path / "h", dspark_config(tc, mask_token_id=0, target_layer_ids=[1]))
     with Engine(str(tiny_model_dir), drafter=str(path)) as engine:
-        assert engine.call(lambda t: resolve_mode("auto", t)) == "dspark"
+        assert engine.call(auto_candidates) == ["lookup", "dspark"]  # auto weighs the given head
         with pytest.raises(Exception, match="not dflash|no dflash drafter"):
             engine.call(lambda t: __import__("engine.drafting.heads", fromlist=["head_for"]).head_for(t, "dflash"))
     with Engine(str(tiny_model_dir)) as engine:  # nothing registered for this model: auto is lookup
-        assert engine.call(lambda t: resolve_mode("auto", t)) == "lookup"
+        assert engine.call(auto_candidates) == ["lookup"]
         with pytest.raises(Exception, match="no dspark drafter is registered"):
             list(engine.generate(__import__("engine").GenerationRequest([5, 6, 7], max_tokens=2, mode="dspark")))
     bad = dflash_config(tc, mask_token_id=0, target_layer_ids=[0, 9])

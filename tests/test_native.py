@@ -11,6 +11,7 @@ from engine.kernels import native
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MLX_DSPARK_NATIVE", raising=False)  # the suite may run with kernels off
     return tmp_path
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from engine import Engine, GenerationRequest
 from engine.caches.radix_tree import RadixTree
+from greedy_ties import assert_same_greedy_away_from_ties
 from tiny_models import build_tiny_model
 
 # -- the radix tree alone (payloads are plain lists standing for KV segments) -----------
@@ -83,7 +84,7 @@ def same(cached: Engine, plain: Engine, prompt: list[int], mode: str = "baseline
     """Generate with both; assert equal tokens; return the cached-token count."""
     got, stats = gen(cached, prompt, mode)
     want, _ = gen(plain, prompt, mode)
-    assert got == want
+    assert_same_greedy_away_from_ties(plain, prompt, want, got)  # a cached prefix: other chunk shapes
     assert stats.cached_tokens + stats.prefilled_tokens == len(prompt)
     return stats.cached_tokens
 

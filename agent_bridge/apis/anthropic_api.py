@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from engine import Done
 
-from agent_bridge.chat.chat_request import (MAX_TOKENS_LIMIT, MEDIA_BLOCKS, ChatRequest, get, get_int, get_number, get_stops, media_text,
+from agent_bridge.chat.chat_request import (MAX_TOKENS_LIMIT, MEDIA_BLOCKS, ChatRequest, get, get_int, get_number, get_stops, json_format, media_text,
                            text_of, tool_call)
 from agent_bridge.apis.sse import EventStream, sse
 from agent_bridge.apis.stream_driver import Wire, collect_text, cut_short, drive, whole_reply
@@ -209,7 +209,19 @@ def parse_request(body: dict, default_max_tokens: int, count_only: bool = False,
         forced_tool=None if count_only else forced,
         notes=notes,
         omitted_content=omitted,
+        response_format=output_format(body),
     )
+
+
+def output_format(body: dict) -> dict | None:
+    """Structured outputs: `output_format` (or the newer `output_config.format`), {"type": "json_schema", "schema"}."""
+    config = get(body, "output_config", (dict,), None) or {}
+    fmt = get(body, "output_format", (dict,), None) or get(config, "format", (dict,), None, where="output_config.")
+    if fmt is None:
+        return None
+    if fmt.get("type") != "json_schema":
+        raise bad_request(f"output_format.type: expected 'json_schema', got {fmt.get('type')!r}", param="output_format")
+    return json_format("json_schema", fmt.get("schema"), None, "output_format")
 
 
 def new_message_id() -> str:
@@ -280,6 +292,8 @@ class AnthropicWire(Wire):
     def opening(self) -> list[str]:
         message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
+                   # cached: what the engine reused if it has started, else what the prefix cache held
+                   # when the request was accepted (bridge.cached_now); message_delta's is what it reused
                    "usage": _usage(self.n_prompt, self.gen.cached_tokens, 0)}
         return [sse("message_start", {"type": "message_start", "message": message})]
 

@@ -15,7 +15,8 @@ from engine import Done, EngineError, Tokens, find_models
 
 from agent_bridge.apis.sse import EventStream, sse, sse_comment
 from agent_bridge.apis.stream_driver import PlainText, Wire, collect_text, cut_short, drive, whole_reply
-from agent_bridge.chat.chat_request import ChatRequest, MAX_TOKENS_LIMIT, check_context, get, get_int, get_number, get_stops, text_of, tool_call
+from agent_bridge.chat.chat_request import (ChatRequest, MAX_TOKENS_LIMIT, check_context, get, get_int, get_number, get_stops,
+                                            json_format, text_of, tool_call)
 from agent_bridge.chat.http_errors import ApiError, bad_request, from_engine_error, openai_body
 from agent_bridge.chat.json_body import read_json
 from agent_bridge.chat.tool_stream import CallArgs, CallStart, Reasoning, Text
@@ -109,8 +110,20 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
     omitted: list[dict] = []
     return ChatRequest(messages=convert_messages(messages, omitted), tools=tools if parse_tools else None,
                        parse_tools=parse_tools, template_kwargs=template_kwargs, forced_tool=forced,
-                       omitted_content=omitted,
+                       omitted_content=omitted, response_format=chat_response_format(body),
                        **sampling_fields(body, default_max_tokens), **extension_fields(body))
+
+
+def chat_response_format(body: dict) -> dict | None:
+    """Chat `response_format`: {"type": "text" | "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}} (always enforced, strict or not)."""
+    fmt = get(body, "response_format", (dict,), None)
+    if fmt is None:
+        return None
+    spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else {}
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema: expected an object", param="response_format")
+    return json_format(fmt.get("type"), spec.get("schema"), spec.get("name"), "response_format")
 
 
 def extension_fields(body: dict) -> dict:

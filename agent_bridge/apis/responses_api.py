@@ -20,7 +20,7 @@ from engine import Done
 from agent_bridge.apis.openai_api import tool_choice
 from agent_bridge.apis.sse import EventStream, sse, sse_comment
 from agent_bridge.apis.stream_driver import Wire, collect_text, drive, whole_reply
-from agent_bridge.chat.chat_request import ChatRequest, MAX_TOKENS_LIMIT, get, get_int, get_number, text_of, tool_call
+from agent_bridge.chat.chat_request import ChatRequest, MAX_TOKENS_LIMIT, get, get_int, get_number, json_format, text_of, tool_call
 from agent_bridge.chat.http_errors import ApiError, bad_request, openai_body
 from agent_bridge.chat.json_body import read_json
 from agent_bridge.chat.tool_stream import CallArgs, CallEnd, CallStart, Text, ToolCall
@@ -129,7 +129,18 @@ def parse_request(body: dict, default_max_tokens: int) -> ChatRequest:
         top_p=get_number(body, "top_p", 1.0, 1e-9, 1.0),
         stream=get(body, "stream", (bool,), False),
         omitted_content=omitted,
+        response_format=text_format(body),
     )
+
+
+def text_format(body: dict) -> dict | None:
+    """Responses `text.format`: {"type": "text" | "json_object"} or {"type": "json_schema", "name",
+    "schema", "strict"} (always enforced)."""
+    text = get(body, "text", (dict,), None) or {}
+    fmt = get(text, "format", (dict,), None, where="text.")
+    if fmt is None:
+        return None
+    return json_format(fmt.get("type"), fmt.get("schema"), fmt.get("name"), "text.format")
 
 
 def _id(prefix: str) -> str:

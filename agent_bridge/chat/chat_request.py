@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import GenerationRequest, InvalidRequestError, PromptTooLongError, SamplingParams
+from engine import Constraint, GenerationRequest, InvalidRequestError, PromptTooLongError, SamplingParams
 
 from agent_bridge.chat.http_errors import ApiError, bad_request
 from agent_bridge.chat.media import image_bytes
@@ -69,6 +69,7 @@ class ChatRequest:
 
     def generation_request(self, prompt_ids: list[int]) -> GenerationRequest:
         return GenerationRequest(
+            constraint=constraint_for(self.response_format),
             prompt_ids=prompt_ids,
             max_tokens=self.max_tokens,
             sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed),
@@ -89,6 +90,43 @@ class ChatRequest:
         if omitted:
             out["omitted_content"] = omitted
         return out
+
+
+def constraint_for(response_format: dict | None) -> Constraint | None:
+    """The engine's constraint for a `response_format` (None: free); a schema the grammar engine
+    can't compile is a 400."""
+    if response_format is None:
+        return None
+    if response_format["type"] == "json":
+        return Constraint.any_json()
+    try:
+        return Constraint.json_schema(response_format["schema"])
+    except InvalidRequestError as e:
+        name = response_format.get("name")
+        raise bad_request(f"response_format{f' {name!r}' if name else ''}: {e}", param="response_format",
+                          code="invalid_json_schema") from None
+
+
+def json_format(kind: Any, schema: Any, name: Any, where: str) -> dict | None:
+    """One API's structured-output request as `ChatRequest.response_format`: `kind` "text" (free),
+    "json_object"/"json" (any JSON) or "json_schema" (then `schema` is the JSON Schema), checked
+    and compiled here, so a bad one is a 400 naming `where` before anything runs."""
+    if kind in (None, "text"):
+        return None
+    if kind in ("json_object", "json"):
+        return {"type": "json"}
+    if kind != "json_schema":
+        raise bad_request(f"{where}.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}", param=where)
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{where}: a json_schema format needs its schema, a JSON object", param=where)
+    if name is not None and not isinstance(name, str):
+        raise bad_request(f"{where}.name: expected a string", param=where)
+    fmt = {"type": "json_schema", "schema": schema, "name": name or ""}
+    try:
+        Constraint.json_schema(schema)
+    except InvalidRequestError as e:
+        raise bad_request(f"{where}: {e}", param=where, code="invalid_json_schema") from None
+    return fmt
 
 
 def render(engine: Any, req: ChatRequest) -> list[int]:
@@ -330,6 +368,7 @@ def check_context(prompt_ids: list[int], context_window: int) -> None:
         raise PromptTooLongError(len(prompt_ids), context_window)
 
 
-__all__ = ["ApiError", "ChatRequest", "IMAGE_BLOCKS", "MEDIA_BLOCKS", "MAX_TOKENS_LIMIT", "check_context", "fold_system_messages", "get",
+__all__ = ["ApiError", "ChatRequest", "IMAGE_BLOCKS", "MEDIA_BLOCKS", "MAX_TOKENS_LIMIT", "check_context", "constraint_for",
+           "fold_system_messages", "get", "json_format",
            "get_int", "get_number", "get_stops", "media_text", "placeholder", "render", "resolve_media", "text_of",
            "tool_call"]

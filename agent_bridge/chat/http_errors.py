@@ -1,8 +1,8 @@
 """Errors every API answers in its own body format and HTTP status.
 
 Handlers raise `ApiError` (protocol-neutral); the server renders it as Anthropic's
-`{"type":"error","error":{...}}` on /v1/messages routes and OpenAI's `{"error":{...}}`
-elsewhere. Engine errors map here too, so a client never sees a traceback.
+`{"type":"error","error":{...}}` on /v1/messages routes, Ollama's `{"error": "..."}` on /api/
+routes and OpenAI's `{"error":{...}}` elsewhere. Engine errors map here too, so a client never sees a traceback.
 """
 
 from __future__ import annotations
@@ -77,7 +77,13 @@ def openai_body(e: ApiError) -> dict:
     return {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}
 
 
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
 def error_body(e: ApiError, path: str) -> dict:
+    if is_ollama_path(path):  # Ollama's shape: the message alone
+        return {"error": e.message}
     return anthropic_body(e) if is_anthropic_path(path) else openai_body(e)
 
 

@@ -1,5 +1,6 @@
 """`mlx-dspark doctor`: what this machine runs MLX on, what would make it faster, and
-its roofline for a model (memory bandwidth, plain-decode ceiling, verify cost curve)."""
+its roofline for a model (memory bandwidth, plain-decode ceiling, verify cost curve), and
+which mode `auto` runs for that model here, with the numbers it chose by."""
 
 from __future__ import annotations
 
@@ -19,8 +20,22 @@ def add_parser(sub) -> None:
                    help="prefill sizes to run cold in full beside their estimate (default: 8192 and 32768 "
                         "are predicted from two timed chunks)")
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill estimate")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="skip the roofline and batch measurements (the model still loads: `auto`'s pick in seconds)")
+    p.add_argument("--prompt-file", default=None, metavar="PATH",
+                   help="show the mode `auto` picks for this prompt (default: a prompt lookup finds no match in)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
+
+
+def _read_prompt(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CommandError(f"--prompt-file {path}: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,16 +50,21 @@ def run(args: argparse.Namespace) -> int:
         if not full or min(full) < 1:
             raise CommandError("--prefill-tokens needs token counts >= 1")
     info = describe_platform()
-    roof, problem, prefill, surface = None, None, None, None
+    roof, problem, prefill, surface, auto, disk = None, None, None, None, None, None
+    prompt = _read_prompt(args.prompt_file)
     if not args.no_model:
         from engine import Engine, EngineError, machine_report, prefill_report
         from engine.tuning.batch_cost import quick_surface
 
         try:
             with Engine(args.model, prefix_cache=False) as engine:
-                roof = {"model": engine.model_path, **engine.call(machine_report)}
-                # what `serve --max-batch auto` uses: cached, else measured now (and cached)
-                surface = engine.call(quick_surface)
+                if not args.no_roofline:
+                    roof = {"model": engine.model_path, **engine.call(machine_report)}
+                    # what `serve --max-batch auto` uses: cached, else measured now (and cached)
+                    surface = engine.call(quick_surface)
+                ids = engine.render_chat([{"role": "user", "content": prompt}]) if prompt is not None else []
+                auto = engine.mode_choice(ids)  # measures a head's draft cost once, if not yet measured here
+                disk = engine.call(_disk_rates)
                 if not args.no_prefill and "advice" not in info:  # on a slow BLAS: fix that first
                     sizes = tuple(sorted(set((8192, 32768) + full)))
                     prefill = engine.call(lambda t: prefill_report(t, sizes, engine.prefill_chunk, full))
@@ -53,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**info, "roofline": roof, "prefill": prefill,
                           "batch_surface": surface.describe() if surface else None,
+                          "auto_mode": auto.to_dict() if auto else None, "disk_tier": disk,
                           **({"roofline_error": problem} if problem else {})}, indent=2))
         return 0
     for key, value in info.items():
@@ -64,11 +85,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nroofline: no model loaded ({problem})", file=sys.stderr)
     if roof:
         print(f"\nroofline for {roof['model']} ({roof['model_bytes'] / 1e6:.1f} MB of weights)")
-        print(f"{'bandwidth':>14}: {roof['bandwidth_gb_s']} GB/s (measured)")
-        print(f"{'ceiling':>14}: {roof['plain_decode_ceiling_tok_s']} tok/s plain decoding if memory-bound")
+        print(f"{'bandwidth':>14}: {roof['bandwidth_gb_s']} GB/s (measured by the {roof['bandwidth_source']})")
+        print(f"{'ceiling':>14}: {roof['plain_decode_ceiling_tok_s']} tok/s plain decoding if memory-bound "
+              f"(weights only; each depth below adds its KV cache)")
         for depth, d in roof["by_depth"].items():
             costs = " ".join(f"w{w}={c}" for w, c in d["cost"].items())
-            print(f"{'depth ' + depth:>14}: plain {d['plain_tok_s']} tok/s ({d['plain_step_ms']} ms/step); "
+            print(f"{'depth ' + depth:>14}: plain {d['plain_tok_s']} tok/s ({d['plain_step_ms']} ms/step, "
+                  f"ceiling {d['ceiling_tok_s']}); "
                   f"verify cost {costs}; perfect drafter {d['best_speedup_perfect_drafter']}x at width "
                   f"{d['best_width']}")
         if roof.get("rollback"):
@@ -77,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{'rollback':>14}: {roof['rollback']} (recurrent layers take back a draft by per-position "
                   f"state capture or a replay; verify cost with half taken back: {costs})")
         print(f"{'curve':>14}: {roof['curve']}")
+    if auto:
+        which = f"the prompt in {args.prompt_file}" if prompt is not None else "a prompt lookup finds no match in"
+        print(f"\n{'auto mode':>14}: {auto.mode} for {which}")
+        print(f"{'why':>14}: expected speed against plain decoding: {auto.reason()}")
+        print(f"{'':>14}  (per request, `auto` replays lookup on that prompt's last tokens and picks again)")
     if surface:
         print()
         print("\n".join(surface_lines(surface)))
@@ -96,4 +124,23 @@ def run(args: argparse.Namespace) -> int:
             if len(parts) == 1:
                 parts.append("not measured (this cache kind can't be filled at random; --prefill-tokens runs it)")
             print(f"{str(row['tokens']) + ' tokens':>14}: " + "; ".join(parts))
+    if disk:
+        print("\n".join(_disk_lines(disk)))
     return 0
+
+
+def _disk_rates(target) -> dict:
+    """The rates `serve`'s disk tier chooses restores by, as kept in its folder for this model."""
+    from engine import cache_dir
+    from engine.caches.kv_disk import kept_rates
+    from engine.caches.prefix_cache import cache_identity
+
+    folder = cache_dir() / "prefix-cache" / cache_identity(target, None)
+    return {"folder": str(folder), **kept_rates(folder)}
+
+
+def _disk_lines(disk: dict) -> list[str]:
+    restore, prefill = disk["restore_bytes_per_s"], disk["prefill_tokens_per_s"]
+    return [f"\ndisk tier {disk['folder']} (a file is read only where that is faster than computing it)",
+            f"{'restore':>14}: " + (f"{restore / 1e9:.2f} GB/s (measured by restores)" if restore else "not measured yet"),
+            f"{'prefill':>14}: " + (f"{prefill:.0f} tokens/s (measured by prefills)" if prefill else "not measured yet")]

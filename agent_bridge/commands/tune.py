@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     fresh = cached is None or args.refresh
     print(f"verify cost curve for {engine.model_path} ({'measured now' if fresh else 'cached'}, "
           f"{curve.measured_at}, {curve.measure_s:.0f}s to measure)")
-    print(f"device {curve.key.get('device')}, MLX {curve.key.get('mlx')}, dtype {curve.key.get('dtype')}")
+    print(f"device {curve.key.get('device')}, MLX {curve.key.get('mlx')}, dtype {engine.info()['dtype']}")
     widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= curve.widths[-1]]
     print("depth   " + "".join(f"{'w' + str(w):>8}" for w in widths) + "   best perfect-drafter speedup")
     for depth in curve.depths:

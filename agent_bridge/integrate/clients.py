@@ -220,10 +220,16 @@ def vscode_user_dir(home: Path) -> Path:
 
 
 def vscode(o: Options, parts: set[str]) -> list[Target]:
-    path = o.project / ".vscode" / "mcp.json" if o.scope == "project" else vscode_user_dir(o.home) / "mcp.json"
-    entry = mcp_stdio(o) if o.transport == "stdio" else mcp_http(o)
-    entry.pop("env", None)
-    return [Target(path, "jsonc", {"servers": {SERVER_NAME: entry}}, "VS Code MCP servers")] if "mcp" in parts else []
+    folder = o.project / ".vscode" if o.scope == "project" else vscode_user_dir(o.home)
+    out = []
+    if "mcp" in parts:
+        entry = mcp_stdio(o) if o.transport == "stdio" else mcp_http(o)
+        entry.pop("env", None)
+        out.append(Target(folder / "mcp.json", "jsonc", {"servers": {SERVER_NAME: entry}}, "VS Code MCP servers"))
+    if "model" in parts:  # Copilot's own Ollama provider lists /api/tags and chats over /v1
+        out.append(Target(folder / "settings.json", "jsonc", {"github.copilot.chat.byok.ollamaEndpoint": o.base_url},
+                          "VS Code settings: Copilot Chat's Ollama endpoint (pick the model under Manage Models > Ollama)"))
+    return out
 
 
 def aider(o: Options, parts: set[str]) -> list[Target]:

@@ -59,9 +59,9 @@ def new_text_from_reply(reply: str, finish_reason: str, old: str, path: str = "f
     """The new file text in `reply`, or GarbledOutput saying why it can't be used.
 
     Besides a cut or missing block, two signs of a reply that lost part of the file are
-    refused (with the diff): code-fence lines added or dropped (the model closed the
-    fence around the file early, or stripped a block's fences), and a reply that is the
-    file's beginning only."""
+    refused (with the diff): code-fence lines added or dropped at any indentation (the
+    model closed the fence around the file early, stripped a block's fences, or lost one
+    line of a docstring's fenced example), and a reply that is the file's beginning only."""
     if finish_reason == "length":
         raise GarbledOutput("the reply was cut off by max_tokens before the file was complete")
     code = prompts.extract_code(reply)

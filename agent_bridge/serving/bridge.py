@@ -123,13 +123,23 @@ class Bridge:
         if gen is None:
             if self.engine.load()["queued"] >= self.max_queue:
                 raise overloaded(self.max_queue, self.retry_after())
+            cached = await self.cached_now(gen_req) if req.stream else 0  # a plain reply reports Stats only
             try:
                 job = self.engine.submit(gen_req)
             except EngineError as e:
                 raise from_engine_error(e) from None
             gen = Generation(self, job, request, key)
+            gen.cached_at_accept = cached
         await gen.start(wait=not req.stream)
         return gen
+
+    async def cached_now(self, gen_req: Any) -> int:
+        """How much of the prompt the prefix cache holds as the request is accepted: what a stream's
+        opening reports (Anthropic's message_start) when the engine has not started on it yet. The
+        engine looks again when it starts (the cache may have changed behind other jobs): the final
+        usage reports what it really reused. Off the loop: the engine thread may hold the cache."""
+        cached = await anyio.to_thread.run_sync(self.engine.cached_prefix_tokens, gen_req.prompt_ids, gen_req.images)
+        return cached or 0
 
     async def _take_over(self, key: str, request: Request | None) -> Generation | None:
         old = self.live.get(key)
@@ -143,7 +153,9 @@ class Bridge:
         if old is None or old.job.phase == "done" and old.queue.empty():
             return None
         self.engine.hold(old.job, False)
-        return Generation(self, old.job, request, key, events=old.queue)
+        gen = Generation(self, old.job, request, key, events=old.queue)
+        gen.cached_at_accept = old.cached_tokens
+        return gen
 
     def park(self, gen: Generation) -> None:
         self.parked[gen.key] = gen

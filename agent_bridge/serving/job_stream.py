@@ -56,15 +56,18 @@ class Generation:
         self._last_ping = 0.0
         self._polled = time.monotonic()  # when the client's connection was last checked
         self._held: Any = None  # an event taken off the queue, not yet returned (see _next)
+        self.cached_at_accept = 0  # the prefix cache's hold on the prompt when it was accepted (bridge.py)
 
     @property
     def cached_tokens(self) -> int:
-        """Known once the engine started: its first progress event reports the cached prefix."""
+        """What the engine reused, once it started (its first progress event, then its Stats);
+        before that, what the prefix cache held when the request was accepted. A taken-over
+        job's first event here is a later progress event: its figure comes from the first reader."""
         if self.done is not None:
             return self.done.stats.cached_tokens
-        if isinstance(self.first, PrefillProgress):
+        if isinstance(self.first, PrefillProgress) and not self.adopted:
             return self.first.done
-        return 0
+        return self.cached_at_accept
 
     async def start(self, wait: bool = True) -> None:
         self.bridge.metrics.in_flight += 1

@@ -9,29 +9,39 @@ its end, and a digest of the file's bytes:
 Keys are seeded with the model identity (weights, config, dtype, KV bits, MLX
 version), which also names the folder, so another model's files are never read.
 A file that is truncated, corrupt or foreign is skipped with a warning and never
-trusted: the digest is checked before anything is loaded. Writes go to a temp file
+trusted: the digest is checked before anything is used. Writes go to a temp file
 then os.replace; the size cap deletes the oldest files first (loads refresh mtime).
 Writing happens on a background thread (kv_disk_writer.py) as segments are made; the
 index is shared with it under a lock.
+
+A restore reads at the disk's speed: each file is read once, straight into the arrays it
+becomes (no second read, no parse pass, no copy), in 8 MiB chunks on several threads (the files of
+one restore all in flight together), each chunk's CRC checked as it lands. The tier measures
+its restore rate (bytes/s) and is told the model's prefill rate (tokens/s); both are kept in
+rates.json beside the files, so the first request after a start can choose without measuring:
+a file is read only where reading it is faster than computing its tokens (`worth_reading`).
 """
 
 from __future__ import annotations
 
 import array
 import collections
-import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
-from engine.caches.kv_disk_writer import DiskWriter, FileJob, host_tensor
+from engine.caches.kv_disk_writer import DIGEST_CHUNK, DiskWriter, FileDigest, FileJob, digest_of, host_tensor
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +50,14 @@ CHECKPOINT = "ckpt"  # the "parent" part of a whole-state checkpoint's file name
 SUFFIX = ".safetensors"
 KEY_CHARS = 32
 STALE_TMP_S = 3600
+READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+RATES_FILE = "rates.json"
+MIN_RATE_SAMPLE_BYTES = 1 << 20  # smaller restores time the per-file overhead, not the disk
+RATE_WEIGHT = 0.5  # of a new measurement against the kept rate
+# what each safetensors dtype is read into (bfloat16 as its bits: numpy has no bfloat16)
+_MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.uint16, "I32": mx.int32, "U32": mx.uint32,
+              "I64": mx.int64, "U64": mx.uint64, "I16": mx.int16, "U16": mx.uint16, "I8": mx.int8,
+              "U8": mx.uint8, "BOOL": mx.bool_}
 
 
 @dataclass
@@ -53,7 +71,77 @@ class DiskEntry:
 
 
 def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    h = FileDigest()
+    h.update(data)
+    return h.hexdigest()
+
+
+def read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read from fd at offset into view (one call; may return fewer bytes): the disk tier's reader."""
+    return os.preadv(fd, [view], offset)
+
+
+def _read_exactly(reader, fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        got = reader(fd, view, offset)
+        if got <= 0:
+            raise ValueError("file shorter than its header says (truncated)")
+        view, offset = view[got:], offset + got
+
+
+@dataclass
+class PendingRead:
+    """One file being read: its header, the arrays its bytes land in, and each chunk's CRC to come."""
+    entry: DiskEntry
+    fd: int
+    header: dict
+    arrays: dict  # tensor name -> the MLX array its bytes are read into (bfloat16 as uint16), or a numpy one
+    chunks: list  # futures of each DIGEST_CHUNK's CRC-32, in file order
+    size: int
+
+
+def _regions(header: dict, head: bytes, size: int) -> tuple[dict, list]:
+    """Each tensor's MLX array (allocated, to be read into), and the file's byte runs in order as
+    (offset, view): the header's bytes, then each array's memory, where its bytes land."""
+    start = len(head)  # the 8-byte length and the header
+    arrays, runs = {}, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        dtype = _MX_DTYPES[info["dtype"]]
+        if not 0 <= a <= b <= size - start or b - a != math.prod(info["shape"]) * dtype.size:
+            raise ValueError(f"{name}: shape and offsets disagree")  # checked before anything is allocated
+        arrays[name] = mx.zeros(info["shape"], dtype)
+        runs.append((start + a, name))
+    mx.eval(list(arrays.values()))
+    views = []
+    for offset, name in sorted(runs):
+        host = np.asarray(arrays[name])  # the array's own memory (unified on Apple silicon)
+        if not (host.flags.writeable and host.flags.c_contiguous):  # a device without it: read, then copy
+            host = arrays[name] = np.empty(host.shape, host.dtype)
+        views.append((offset, memoryview(host.reshape(-1)).cast("B")))
+    at = start
+    for offset, view in views:  # our files are written densely: anything else isn't ours
+        if offset != at:
+            raise ValueError("tensors don't tile the file")
+        at += view.nbytes
+    if at != size:
+        raise ValueError("file longer or shorter than its tensors")
+    return arrays, [(0, memoryview(head))] + views
+
+
+def _chunk_pieces(runs: list, size: int) -> list[list]:
+    """The runs cut at DIGEST_CHUNK boundaries: for each chunk, its (offset, view, in memory) pieces."""
+    chunks: list[list] = [[] for _ in range((size + DIGEST_CHUNK - 1) // DIGEST_CHUNK)]
+    for i, (offset, view) in enumerate(runs):
+        pos = 0
+        while pos < view.nbytes:
+            c = (offset + pos) // DIGEST_CHUNK
+            take = min(view.nbytes - pos, (c + 1) * DIGEST_CHUNK - offset - pos)
+            chunks[c].append((offset + pos, view[pos : pos + take], i == 0))
+            pos += take
+    return chunks
 
 
 def read_tokens(path: Path) -> array.array:
@@ -87,6 +175,29 @@ def read_metadata(path: Path) -> dict:
         return json.loads(f.read(n)).get("__metadata__", {})
 
 
+def kept_rates(folder: str | os.PathLike) -> dict:
+    """The rates a disk tier's folder (<root>/<identity>) keeps: restore bytes/s and prefill
+    tokens/s, each None where not measured yet."""
+    out = {"restore_bytes_per_s": None, "prefill_tokens_per_s": None}
+    try:
+        d = json.loads((Path(folder) / RATES_FILE).read_text())
+        for k in out:
+            if isinstance(d.get(k), (int, float)) and d[k] > 0:
+                out[k] = float(d[k])
+    except (OSError, ValueError, AttributeError):
+        pass
+    return out
+
+
+def _common_prefix(cached: array.array, tokens: list[int]) -> int:
+    """How many leading tokens agree (compared as arrays: no Python work a token)."""
+    n = min(len(cached), len(tokens))
+    if not n:
+        return 0
+    differ = np.frombuffer(cached, dtype=np.int32, count=n) != np.asarray(tokens[:n], dtype=np.int32)
+    return int(differ.argmax()) if differ.any() else n
+
+
 class DiskTier:
     def __init__(self, root: str | os.PathLike, identity: str, max_bytes: int):
         self.root = Path(root).expanduser()
@@ -99,9 +210,57 @@ class DiskTier:
         self.nbytes = 0
         self.writes = self.loads = self.skipped = self.deleted = 0
         self.lock = threading.RLock()  # the index is shared with the writer thread
-        self.queued_parents: collections.Counter = collections.Counter()  # files queued, by parent key
+        self.queued_parents: collections.defaultdict = collections.defaultdict(list)  # files queued: their tokens, by parent key
+        self.reader = read_into  # (fd, view, offset) -> bytes read; tests slow it down
+        self._pool: ThreadPoolExecutor | None = None
+        self.restore_bytes_per_s, self.prefill_tokens_per_s = self._read_rates()
+        self.restored_bytes, self.restore_seconds = 0, 0.0  # this process's restores
+        self.declined_files = self.declined_tokens = 0  # faster computed than read
         self._scan()
         self.writer = DiskWriter(self.dir, SUFFIX)
+
+    # -- the two rates a restore is chosen by ---------------------------------------------
+
+    def _read_rates(self) -> tuple[float | None, float | None]:
+        rates = kept_rates(self.dir)
+        return rates["restore_bytes_per_s"], rates["prefill_tokens_per_s"]
+
+    def _save_rates(self) -> None:
+        tmp = self.dir / f".tmp-rates-{os.getpid()}.json"
+        try:
+            tmp.write_text(json.dumps({"restore_bytes_per_s": self.restore_bytes_per_s,
+                                       "prefill_tokens_per_s": self.prefill_tokens_per_s}))
+            os.replace(tmp, self.dir / RATES_FILE)
+        except OSError:  # a read-only folder: the rates live in this process only
+            pass
+
+    @staticmethod
+    def _blend(kept: float | None, new: float) -> float:
+        return new if kept is None else (1 - RATE_WEIGHT) * kept + RATE_WEIGHT * new
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine's measured prefill of `tokens` tokens (what a restore must beat)."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, tokens / seconds)
+            self._save_rates()
+
+    def _note_restore(self, nbytes: int, seconds: float) -> None:
+        self.restored_bytes += nbytes
+        self.restore_seconds += seconds
+        if nbytes >= MIN_RATE_SAMPLE_BYTES and seconds > 0:
+            self.restore_bytes_per_s = self._blend(self.restore_bytes_per_s, nbytes / seconds)
+            self._save_rates()
+
+    def worth_reading(self, nbytes: int, tokens: int) -> bool:
+        """Is reading `nbytes` faster than computing `tokens`? Yes while either rate is unknown
+        (a restore measures the disk; on most machines reading wins by far)."""
+        if self.restore_bytes_per_s is None or self.prefill_tokens_per_s is None:
+            return True
+        if nbytes / self.restore_bytes_per_s <= tokens / self.prefill_tokens_per_s:
+            return True
+        self.declined_files += 1
+        self.declined_tokens += tokens
+        return False
 
     # -- index ----------------------------------------------------------------------
 
@@ -173,10 +332,14 @@ class DiskTier:
 
     # -- reading --------------------------------------------------------------------
 
-    def best(self, parent_key: str, tokens: list[int], exclude: set) -> tuple[DiskEntry, int] | None:
-        """The file continuing `parent_key` that matches most of `tokens`, and how many it matches."""
+    def best(self, parent_key: str, tokens: list[int], exclude: set, beyond: int = 0) -> tuple[DiskEntry, int] | None:
+        """The file continuing `parent_key` that matches most of `tokens`, and how many it matches.
+        A file still being written is waited for only if it matches more than `beyond` tokens (what
+        the caller holds already): a turn that left the reply just queued (in RAM too) goes on."""
         parent = parent_key[:KEY_CHARS]
-        if self.queued_parents.get(parent):  # a file that may continue here is being written
+        with self.lock:
+            queued = list(self.queued_parents.get(parent, ()))
+        if any(_common_prefix(q, tokens) > beyond for q in queued):
             self.writer.flush(timeout=30)
         best = None
         with self.lock:
@@ -190,40 +353,87 @@ class DiskTier:
                 except Exception as err:  # truncated or not ours: never trusted
                     self.skip(e, f"unreadable header ({err})")
                     continue
-            k = 0
-            for a, b in zip(e.tokens, tokens):
-                if a != b:
-                    break
-                k += 1
+            k = _common_prefix(e.tokens, tokens)
             if k and (best is None or k > best[1]):
                 best = (e, k)
         return best
 
     def load(self, e: DiskEntry) -> tuple[list[int], list[list[mx.array]]] | None:
         """(tokens, segment) from a file, or None (with a warning) if it can't be trusted."""
+        return self.load_many([e])[0]
+
+    def load_many(self, entries: list[DiskEntry]) -> list[tuple[list[int], list[list[mx.array]]] | None]:
+        """Each file's (tokens, segment), or None (with a warning) for one that can't be trusted;
+        all of them read at once, on the tier's reading threads."""
+        t0 = time.perf_counter()
+        pending = [self._start_read(e) for e in entries]
+        out = [self._finish_read(p) if p is not None else None for p in pending]
+        nbytes = sum(p.size for p, got in zip(pending, out) if got is not None)
+        self._note_restore(nbytes, time.perf_counter() - t0)
+        return out
+
+    def _start_read(self, e: DiskEntry) -> PendingRead | None:
+        """Open a file, parse its header, and queue its chunks' reads (straight into its arrays)."""
         try:
-            data = e.path.read_bytes()
+            fd = os.open(e.path, os.O_RDONLY)
         except OSError as err:
             self.skip(e, str(err))
             return None
-        if _digest(data) != e.digest:
-            self.skip(e, "content digest mismatch (truncated or corrupt)")
-            return None
         try:
-            arrays, meta = mx.load(str(e.path), return_metadata=True)
+            size = os.fstat(fd).st_size
+            if size < 8:
+                raise ValueError("file shorter than a header")
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            if n > size - 8 or n > 64 << 20:
+                raise ValueError("header longer than the file")
+            head = os.pread(fd, 8, 0) + os.pread(fd, n, 8)
+            header = json.loads(head[8:])
+            arrays, runs = _regions(header, head, size)
+        except Exception as err:  # noqa: BLE001 -- truncated, corrupt or not ours: never trusted
+            os.close(fd)
+            self.skip(e, f"unreadable header ({err})")
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlx-dspark-kv-reader")
+        chunks = [self._pool.submit(self._read_chunk, fd, pieces) for pieces in _chunk_pieces(runs, size)]
+        return PendingRead(e, fd, header, arrays, chunks, size)
+
+    def _read_chunk(self, fd: int, pieces: list) -> int:
+        """Read one chunk's pieces into their arrays; its CRC-32 (on a reading thread)."""
+        crc = 0
+        for offset, view, in_memory in pieces:
+            if not in_memory:
+                _read_exactly(self.reader, fd, view, offset)
+            crc = zlib.crc32(view, crc)
+        return crc
+
+    def _finish_read(self, p: PendingRead) -> tuple[list[int], list[list[mx.array]]] | None:
+        e = p.entry
+        try:
+            crcs = [c.result() for c in p.chunks]
+            if digest_of(crcs, p.size) != e.digest:
+                raise ValueError("content digest mismatch (truncated or corrupt)")
+            meta = p.header.get("__metadata__", {})
             if meta.get("format") != FORMAT or meta.get("identity") != self.identity:
                 raise ValueError(f"written by another model or version ({meta.get('identity')})")
             if meta.get("parent", "")[:KEY_CHARS] != e.parent or meta.get("end", "")[:KEY_CHARS] != e.end:
                 raise ValueError("keys don't match the file name")
-            tokens = arrays.pop("tokens").tolist()
+            arrays = {name: a if isinstance(a, mx.array) else mx.array(a) for name, a in p.arrays.items()}
+            tokens = np.asarray(arrays.pop("tokens")).tolist()
             n_layers, per_layer = int(meta["layers"]), int(meta["arrays"])
-            segment = [[arrays[f"l{i}.{j}"] for j in range(per_layer)] for i in range(n_layers)]
             if len(arrays) != n_layers * per_layer:
                 raise ValueError("unexpected arrays")
-            mx.eval(segment)  # now, while the file is surely there
-        except Exception as err:
+            bf16 = {name for name, info in p.header.items() if isinstance(info, dict) and info.get("dtype") == "BF16"}
+            segment = [[arrays[f"l{i}.{j}"].view(mx.bfloat16) if f"l{i}.{j}" in bf16 else arrays[f"l{i}.{j}"]
+                        for j in range(per_layer)] for i in range(n_layers)]
+            mx.eval(segment)
+        except Exception as err:  # noqa: BLE001 -- a torn or foreign file is skipped, never trusted
             self.skip(e, str(err))
             return None
+        finally:
+            for c in p.chunks:  # every read done before the descriptor goes
+                c.exception()
+            os.close(p.fd)
         e.tokens = array.array("i", tokens)
         self.loads += 1
         try:
@@ -251,16 +461,16 @@ class DiskTier:
 
         def written(path: Path, digest: str, size: int) -> None:  # on the writer thread
             with self.lock:
-                self.queued_parents[parent] -= 1
+                self.queued_parents[parent].remove(token_array)
                 self._add_locked(DiskEntry(path, parent, end, digest, size, token_array))
                 self.writes += 1
             self.enforce_cap()
 
         with self.lock:
-            self.queued_parents[parent] += 1
+            self.queued_parents[parent].append(token_array)
         if not self.writer.submit(FileJob(f"{parent}_{end}", tensors, meta, written)):
             with self.lock:
-                self.queued_parents[parent] -= 1
+                self.queued_parents[parent].remove(token_array)
             return False
         return True
 
@@ -344,6 +554,9 @@ class DiskTier:
         return self.writer.flush(timeout)
 
     def close(self, timeout: float | None = 60.0) -> bool:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         return self.writer.close(timeout)
 
     def enforce_cap(self) -> None:

@@ -8,7 +8,9 @@ end and each turn's end: their attention layers still put per-token segments in 
 point. A prompt resumes from the longest checkpoint it starts with, so one that diverges
 mid-conversation resumes from the nearest checkpoint before the divergence. With a disk
 tier (kv_disk.py), segments and checkpoints are written by a background writer as they
-are made, and read back lazily after a restart. The last request's own cache stays live:
+are made (a prompt's at its prefill's end), and read back lazily after a restart: a matching
+chain of files is planned from their token headers, each file kept only while reading it is
+faster than computing its tokens (measured rates), and the chosen ones read together. The last request's own cache stays live:
 the next turn that extends it continues it in place instead of assembling a copy from
 segments.
 
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +56,18 @@ from engine.caches.radix_tree import Node, RadixTree, common_prefix, token_bytes
 from engine.caches.rollback import supports_drafts
 
 log = logging.getLogger(__name__)
+
+PEEK_WAIT_S = 0.5  # how long `cached_prefix` waits for the engine thread's own use of the cache
+
+
+def _locked(method):
+    """Run under the cache's lock: what the engine thread changes, another thread's
+    `cached_prefix` never sees half done."""
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    run.__name__, run.__doc__ = method.__name__, method.__doc__
+    return run
 
 GIB = 1 << 30
 
@@ -83,7 +98,7 @@ def cache_identity(target, kv_bits: int | None) -> str:
 
     blob = json.dumps(
         {"target": target.identity, **weights_fingerprint(target.path), "kv_bits": kv_bits,
-         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "v": 2},
+         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "v": 3},  # 3: chunked CRC digests
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -153,9 +168,11 @@ class PrefixCache:
         self._signature = None  # this model's segment layout, to check loaded ones against
         self.hits = self.misses = self.evictions = 0
         self.cached_tokens_served = 0
+        self._lock = threading.RLock()  # see _locked and cached_prefix
 
     # -- the engine's hooks -----------------------------------------------------------
 
+    @_locked
     def acquire(self, prompt: list[int]) -> tuple[list, int]:
         """A cache holding the longest cached prefix of prompt[:-1], and its length."""
         self._pinned.clear()  # a request that failed never released its pins
@@ -169,6 +186,7 @@ class PrefixCache:
             self.misses += 1
         return cache, n
 
+    @_locked
     def release(self, tokens: list[int], cache: list) -> None:
         """Remember the KV of the tokens the cache provably holds (its offset)."""
         self._pinned.clear()
@@ -182,6 +200,7 @@ class PrefixCache:
         """Keep the state of a cache that holds exactly `tokens`: the engine calls it at each
         prompt's end (only checkpoints keep anything here; release serves the turn's end)."""
 
+    @_locked
     def close(self) -> None:
         """Write every segment held in RAM to the disk tier (if any)."""
         self.live = None
@@ -190,6 +209,11 @@ class PrefixCache:
                 self._to_disk(node)
             self.disk.close()
         self._forget()
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine's measured prefill (tokens computed in seconds): what reading from disk must beat."""
+        if self.disk is not None:
+            self.disk.note_prefill(tokens, seconds)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every segment queued for the disk tier is written (any thread)."""
@@ -209,12 +233,28 @@ class PrefixCache:
             "disk_writes": self.disk.writes if self.disk else 0,
             "disk_loads": self.disk.loads if self.disk else 0,
             "disk_skipped": self.disk.skipped if self.disk else 0,
+            **self._disk_rates(),
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
             "tokens_served": self.cached_tokens_served,
         }
 
+    def _disk_rates(self) -> dict:
+        """What restores are chosen by: the disk's restore rate and the model's prefill rate."""
+        d = self.disk
+        restore, prefill = (d.restore_bytes_per_s, d.prefill_tokens_per_s) if d else (None, None)
+        per_token = self.tree.nbytes / self.tree.n_tokens if self.tree.n_tokens else None
+        return {
+            "disk_restore_gb_per_s": round(restore / 1e9, 3) if restore else None,
+            "disk_restore_tokens_per_s": round(restore / per_token, 1) if restore and per_token else None,
+            "prefill_tokens_per_s": round(prefill, 1) if prefill else None,
+            "disk_restored_bytes": d.restored_bytes if d else 0,
+            "disk_restore_s": round(d.restore_seconds, 3) if d else 0.0,
+            "disk_declined_tokens": d.declined_tokens if d else 0,
+        }
+
+    @_locked
     def drop(self, disk: bool = False) -> None:
         """Empty the RAM tier. disk=False (evict): segments go to the disk tier first, as on
         close; disk=True (clear): they are forgotten, and the disk tier's files deleted too."""
@@ -226,7 +266,23 @@ class PrefixCache:
             self.close()
         self._pinned.clear()
 
+    def cached_prefix(self, prompt: list[int]) -> int | None:
+        """How many tokens of `prompt` acquire() would reuse from RAM now, from any thread,
+        taking, touching and loading nothing (the disk tier is not read). None when the engine
+        thread kept the cache busy past PEEK_WAIT_S (a long disk load or KV assembly)."""
+        if not self._lock.acquire(timeout=PEEK_WAIT_S):
+            return None
+        try:
+            wanted = list(prompt[:-1])  # acquire's view: the last token is fed by the first round
+            return self._reusable(wanted) if wanted else 0
+        finally:
+            self._lock.release()
+
     # -- what each strategy answers -------------------------------------------------------
+
+    def _reusable(self, wanted: list[int]) -> int:
+        """How many tokens of `wanted` (non-empty) _resume would give back from RAM, read only."""
+        return 0
 
     def _resume(self, wanted: list[int], live: tuple[list[int], list] | None) -> tuple[list, int]:
         """A cache for `wanted` (non-empty), and how many of its tokens it already holds."""
@@ -249,7 +305,8 @@ class PrefixCache:
         return RadixTree(cut_segment, segment_nbytes, seed=self.identity.encode())
 
     def _match(self, wanted: list[int]) -> list[tuple[Node, int]]:
-        """The tree's longest match, extended from the disk tier where that matches further."""
+        """The tree's longest match, extended from the disk tier where that matches further and
+        reading is faster than computing (the rest is computed)."""
         tried: set = set()
         while True:
             path = self.tree.match(wanted)
@@ -258,32 +315,56 @@ class PrefixCache:
                 return path
             full = path if not path or path[-1][1] == len(path[-1][0].tokens) else path[:-1]
             base = full[-1][0] if full else self.tree.root
-            pos = sum(k for _, k in full)
-            found = self.disk.best(base.key, wanted[pos:], tried)
-            if found is None or pos + found[1] <= n:
+            plan = self._disk_plan(base.key, wanted, sum(k for _, k in full), n, tried)
+            if not plan:
                 return path
-            entry, _ = found
-            tried.add(entry.path)
-            loaded = self.disk.load(entry)
-            if loaded is None:
-                continue
-            tokens, segment = loaded
-            try:
-                check_segment(segment, self._signature, len(tokens))
-            except ValueError as err:
-                self.disk.skip(entry, str(err))
-                continue
-            if self._signature is None:
-                self._signature = segment_signature(segment)
-            # Only the part the prompt matches: its node's key is then the one that files written
-            # after a split of this edge continue from (the file itself still holds it all).
-            k = found[1]
-            if k < len(tokens):
-                tokens, segment = tokens[:k], cut_segment(segment, 0, k)
-            nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 and b == len(tokens)
-                                     else cut_segment(segment, a, b), start=base)
-            if nodes and nodes[-1].parent is base and nodes[-1].tokens == tokens:
-                nodes[-1].on_disk = True  # whole, or recoverable from its file by a partial match
+            tried.update(entry.path for entry, _ in plan)
+            for (entry, k), loaded in zip(plan, self.disk.load_many([entry for entry, _ in plan])):
+                base = self._insert_loaded(base, entry, k, loaded)
+                if base is None:
+                    break  # skipped (torn, corrupt, foreign): match again, without it
+
+    def _disk_plan(self, key: str, wanted: list[int], pos: int, reach: int, tried: set) -> list[tuple]:
+        """The chain of files that continue the prompt from `key` (at `pos`) past `reach`, as
+        [(entry, tokens it matches)], up to the first one faster computed than read. Only their
+        token headers are read here: the files themselves are then read together."""
+        plan = []
+        while pos < len(wanted):
+            found = self.disk.best(key, wanted[pos:], tried, beyond=reach - pos)
+            if found is None or pos + found[1] <= reach:
+                break
+            entry, k = found
+            if not self.disk.worth_reading(entry.size, k):
+                break
+            plan.append(found)
+            pos = reach = pos + k
+            if k < len(entry.tokens):
+                break
+            key = entry.end
+        return plan
+
+    def _insert_loaded(self, base: Node, entry, k: int, loaded) -> Node | None:
+        """A loaded file's first k tokens in the tree under `base`; the node it ends at (None if
+        the file was no good)."""
+        if loaded is None:
+            return None
+        tokens, segment = loaded
+        try:
+            check_segment(segment, self._signature, len(tokens))
+        except ValueError as err:
+            self.disk.skip(entry, str(err))
+            return None
+        if self._signature is None:
+            self._signature = segment_signature(segment)
+        # Only the part the prompt matches: its node's key is then the one that files written
+        # after a split of this edge continue from (the file itself still holds it all).
+        if k < len(tokens):
+            tokens, segment = tokens[:k], cut_segment(segment, 0, k)
+        nodes = self.tree.insert(tokens, lambda a, b: segment if a == 0 and b == len(tokens)
+                                 else cut_segment(segment, a, b), start=base)
+        if nodes and nodes[-1].parent is base and nodes[-1].tokens == tokens:
+            nodes[-1].on_disk = True  # whole, or recoverable from its file by a partial match
+        return nodes[-1] if nodes else None
 
     def _take(self, path: list[tuple[Node, int]]) -> list:
         """The segments of a matched path (the last one cut to its match), pinned and touched."""
@@ -346,19 +427,31 @@ class SegmentPrefixCache(PrefixCache):
     def _resume(self, wanted, live):
         path = self._match(wanted)
         n = sum(k for _, k in path)
-        if live is not None:
+        m = _live_reach(live, wanted, n)
+        if m:
             live_tokens, live_cache = live
-            m = common_prefix(live_tokens, wanted)
-            if m and m >= n and (m == len(live_tokens) or can_trim_prompt_cache(live_cache)):
-                trim_prompt_cache(live_cache, len(live_tokens) - m)  # no copy: continued in place
-                self._pinned.update(node for node, _ in path)
-                self.tree.touch(node for node, _ in path)
-                return live_cache, m
+            trim_prompt_cache(live_cache, len(live_tokens) - m)  # no copy: continued in place
+            self._pinned.update(node for node, _ in path)
+            self.tree.touch(node for node, _ in path)
+            return live_cache, m
         if not n:
             return self.new_cache(), 0
         cache = build_cache(self.new_cache(), self._take(path))
         self._evict()  # what came from disk may have pushed RAM past the budget
         return cache, n
+
+    def _reusable(self, wanted):
+        n = sum(k for _, k in self.tree.match(wanted))
+        return _live_reach(self.live, wanted, n) or n
+
+    def checkpoint(self, tokens, cache):
+        """With a disk tier, the prompt's new segment goes to the writer at the prompt's end, not
+        the turn's: a `kill -9` during (or right after) the reply then loses only the reply."""
+        if self.disk is None or not tokens or cache_offset(cache) != len(tokens):
+            return
+        for node in self.tree.insert(list(tokens), lambda a, b: slice_segment(cache, a, b)):
+            self._to_disk(node)
+        self._evict()
 
     def _keep(self, tokens, cache):
         kept = list(tokens)
@@ -384,6 +477,7 @@ class CheckpointPrefixCache(PrefixCache):
         self.checkpoint_bytes = self.checkpoint_tokens = 0
         super().__init__(*args, **kwargs)
 
+    @_locked
     def checkpoint(self, tokens: list[int], cache: list) -> None:
         if not tokens or cache_offset(cache) != len(tokens):
             return
@@ -405,11 +499,7 @@ class CheckpointPrefixCache(PrefixCache):
         attention = segment_layers(cache)
         # the attention layers' segments must cover the checkpoint (eviction may have cut them)
         reach = sum(k for _, k in self._match(wanted)) if attention else len(wanted)
-        best = None
-        for tokens in self.checkpoints:
-            if len(tokens) <= reach and (best is None or len(tokens) > len(best)):
-                if list(tokens) == wanted[: len(tokens)]:
-                    best = tokens
+        best = self._best_checkpoint(wanted, reach)
         if self.disk is not None:  # a longer one from an earlier run, loaded (and kept) only when it serves
             entry = self.disk.best_checkpoint(wanted[:reach], len(best) if best else 0)
             loaded = self.disk.load_checkpoint(entry, len(state_layers(cache))) if entry is not None else None
@@ -427,6 +517,21 @@ class CheckpointPrefixCache(PrefixCache):
             # a copy of the saved layer's fields: the request writes into its cache in place
             layer.__dict__.update(copy.deepcopy(saved).__dict__)
         return cache, len(best)
+
+    def _best_checkpoint(self, wanted: list[int], reach: int) -> tuple | None:
+        """The longest checkpoint in RAM that `wanted` starts with, within `reach` tokens."""
+        best = None
+        for tokens in self.checkpoints:
+            if len(tokens) <= reach and (best is None or len(tokens) > len(best)):
+                if list(tokens) == wanted[: len(tokens)]:
+                    best = tokens
+        return best
+
+    def _reusable(self, wanted):
+        # an empty tree: a model without attention layers (checkpoints hold it all), as in _resume
+        reach = sum(k for _, k in self.tree.match(wanted)) if self.tree.n_tokens else len(wanted)
+        best = self._best_checkpoint(wanted, reach)
+        return len(best) if best else 0
 
     def _store_checkpoint(self, tokens: tuple, cache: list, to_disk: bool = True) -> None:
         if tokens in self.checkpoints:
@@ -464,6 +569,15 @@ class CheckpointPrefixCache(PrefixCache):
                  "leaves": 1, "ram_bytes": kept_bytes(c), "on_disk": False, "age": self.tree.clock - used,
                  "head_ids": list(t[:24]), "tail_ids": list(t[-24:])}
                 for i, (t, (c, used)) in enumerate(self.checkpoints.items())][:limit]
+
+
+def _live_reach(live: tuple[list[int], list] | None, wanted: list[int], n: int) -> int:
+    """How far the live cache serves `wanted` where it beats the tree's `n` tokens (0: it doesn't)."""
+    if live is None:
+        return 0
+    live_tokens, live_cache = live
+    m = common_prefix(live_tokens, wanted)
+    return m if m and m >= n and (m == len(live_tokens) or can_trim_prompt_cache(live_cache)) else 0
 
 
 def strategy_for(cache: list) -> type[PrefixCache]:

@@ -22,7 +22,7 @@ from engine.base.files import config_dir
 from engine.caches.kinds import kind_of
 from engine.drafting.heads.loading import pairing_problems
 from engine.drafting.heads.registry import Entry, PUBLISHED, base_name
-from engine.model.config import read_config, text_config
+from engine.model.config import quantization_of, read_config, text_config
 from engine.model.vision import image_support
 
 LMSTUDIO_DIRS = ("~/.lmstudio/models", "~/.cache/lm-studio/models")
@@ -144,16 +144,6 @@ def size_on_disk(path: Path) -> int:
         except OSError:
             pass
     return total
-
-
-def quantization_of(config: dict) -> str | None:
-    q = config.get("quantization") or config.get("quantization_config")
-    if not isinstance(q, dict):
-        return None
-    mode = q.get("mode") or q.get("quant_method")
-    if mode and mode != "affine":
-        return str(mode) if not q.get("bits") else f"{mode} {q['bits']}-bit"
-    return f"{q.get('bits', '?')}-bit (group {q.get('group_size', '?')})"
 
 
 def cache_rollback(config: dict) -> tuple[str, str | None]:

@@ -23,6 +23,7 @@ from engine.base.sampling import SamplingParams, accept_greedy, accept_speculati
 from engine.caches.rollback import DEFAULT_ROLLBACK, mark, needs_replay, supports_drafts, take_back
 from engine.caches.state_capture import fits
 from engine.decoding.batch_verify import Forward
+from engine.decoding.grammar import GrammarState, masked
 from engine.drafting.drafter import Draft, Drafter
 from engine.kernels import cpu_attention
 from engine.kernels.attention_crossover import unread_last_call
@@ -85,6 +86,7 @@ def speculative_rounds(
     hard_cap: int | Callable[[], int] | None = None,
     defer_forward: bool = False,
     rollback: str | None = None,
+    grammar: GrammarState | None = None,
 ) -> Iterator[Round]:
     """Endless rounds of draft-and-verify; the caller stops iterating when done.
 
@@ -97,6 +99,9 @@ def speculative_rounds(
     `batch_verify.Forward`), for the caller to run batched with other sequences', then its Round.
     `rollback` ("capture" or "replay"; default: `target.state_rollback`, else DEFAULT_ROLLBACK;
     the engine passes the cost curve's pick) is how recurrent layers take back a rejected draft.
+    `grammar` (engine/decoding/grammar.py) constrains the output: the draft is shaped to it
+    (forced tokens drafted, a breaking tail cut) and every position's logits are masked before
+    the pick, so the rounds equal constrained plain decoding (greedy) or its distribution.
     """
     rng = rng or np.random.default_rng(sampling.seed)
     cap = max_draft if callable(max_draft) else (lambda: max_draft)
@@ -121,6 +126,12 @@ def speculative_rounds(
                 yield draft
                 draft = drafter.take(draft)
         draft_tokens = draft.tokens[: hard if draft.verbatim else k] if draft else []
+        q = draft.q[: len(draft_tokens)] if draft is not None and draft.q is not None else None
+        cut, forced = None, 0
+        if grammar is not None:
+            shaped = grammar.shape_draft(draft_tokens, q, hard if drafting else 0,
+                                         deterministic=q is None or sampling.greedy)
+            draft_tokens, q, cut, forced = shaped.tokens, shaped.q, shaped.cut, shaped.forced
         inputs = [y, *draft_tokens]
         before = mark(cache) if draft_tokens else None
         fwd = Forward(inputs, cache, tuple(drafter.tap_layers),
@@ -130,11 +141,17 @@ def speculative_rounds(
         else:
             fwd.run(target)
         logits, hidden = fwd.result
+        if grammar is not None:  # masks after the forward is issued: MLX is lazy, the CPU work may overlap it
+            logits = masked(logits, grammar.masks_along(draft_tokens))
         if sampling.greedy:
-            n, nxt = accept_greedy(logits, draft_tokens, fwd.picks() if fwd.picks else None)
+            picks = fwd.picks() if fwd.picks and grammar is None else None
+            n, nxt = accept_greedy(logits, draft_tokens, picks)
         else:
-            q = draft.q[: len(draft_tokens)] if draft is not None and draft.q is not None else None
-            n, nxt = accept_speculative(target_probs(logits, sampling), draft_tokens, q, rng)
+            proposed = draft_tokens + ([cut] if cut is not None else [])  # a cut token: certainly rejected
+            n, nxt = accept_speculative(target_probs(logits, sampling), proposed, q, rng)
+        if grammar is not None:
+            grammar.rollback(len(draft_tokens) - n)
+            grammar.advance([nxt])
         if draft_tokens:
             take_back(cache, before, len(inputs), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache),
                       captured=fwd.captured)
@@ -148,5 +165,5 @@ def speculative_rounds(
             def keep_only(u, before=before, inputs=inputs, held=n + 1, captured=fwd.captured):
                 take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache),
                           captured=captured)
-        source = (draft.source or drafter.name) if draft_tokens else ""
+        source = ("grammar" if forced == len(draft_tokens) else (draft.source or drafter.name)) if draft_tokens else ""
         yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source)

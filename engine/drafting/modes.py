@@ -1,8 +1,10 @@
 """Decoding modes and the drafters behind them.
 
 `baseline` is plain decoding through mlx-lm (the reference every mode must equal);
-every other mode is a drafter driven by the one verify loop. `auto` resolves to the
-best mode available for the target. Drafter heads register here as they are added.
+every other mode is a drafter driven by the one verify loop. `auto` is chosen per request
+among `auto_candidates` by their expected speed here (engine/tuning/mode_choice.py: this
+layer knows what can run, the tuning layer what it costs). Drafter heads register here as
+they are added.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from typing import Callable
 
 from engine.base.errors import InvalidRequestError
 from engine.drafting.drafter import Drafter
-from engine.drafting.heads import auto_mode, head_for, make_head_drafter
-from engine.drafting.heads.registry import entry_for
+from engine.drafting.heads import head_for, make_head_drafter
+from engine.drafting.heads.registry import available_locally, entry_for
 from engine.drafting.lookup import LookupDrafter
 from engine.model.target import Target
 
@@ -28,11 +30,23 @@ def available_modes() -> list[str]:
     return ["auto", "baseline", *DRAFTER_FACTORIES]
 
 
+def auto_candidates(target: Target) -> list[str]:
+    """The modes `auto` chooses among here: lookup, and each head registered for the target
+    (or given with --drafter) whose weights are on this machine (`auto` never downloads), on
+    a target whose hidden states can be tapped."""
+    heads = [m for m, spec in entry_for(target).heads.items() if m in DRAFTER_FACTORIES and available_locally(spec)]
+    if heads:
+        try:
+            target.check_tappable()
+        except ValueError:
+            heads = []
+    return ["lookup", *heads]
+
+
 def resolve_mode(mode: str, target: Target) -> str:
-    if mode == "auto":
-        # The registered head that measured best for this target (weights present), else lookup.
-        return auto_mode(target) or "lookup"
-    if mode != "baseline" and mode not in DRAFTER_FACTORIES:
+    """The mode checked: "auto" stays "auto" (the engine chooses per request), any other
+    must be one this engine has."""
+    if mode != "auto" and mode != "baseline" and mode not in DRAFTER_FACTORIES:
         raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(available_modes())}")
     return mode
 

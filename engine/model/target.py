@@ -25,6 +25,7 @@ from engine.base.platform import physical_memory_bytes
 from engine.caches.rollback import supports_drafts
 from engine.kernels import cpu_swiglu, gated_delta_chunked
 from engine.kernels.attention_crossover import install_for
+from engine.model.config import dtype_name
 from engine.model.vision import ImageFeatures, position_view
 
 DEFAULT_CONTEXT_WINDOW = 32768
@@ -59,6 +60,11 @@ class Target:
     @property
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids or [])
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as the user knows it ("float32", "8-bit (group 64), float32")."""
+        return dtype_name(self.config, self.dtype)
 
     @property
     def identity(self) -> str:
@@ -303,8 +309,11 @@ def dequantize_here(model: nn.Module, config: dict, wanted: bool | None = None) 
 
 
 def _weights_dtype(model: nn.Module) -> mx.Dtype:
+    """The checkpoint's float dtype (a quantised model's scales and activations), never the
+    packed uint32 of its quantised weights."""
     from mlx.utils import tree_flatten
 
     for _, p in tree_flatten(model.parameters()):
-        return p.dtype
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
     return mx.float32

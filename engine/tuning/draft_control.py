@@ -3,14 +3,24 @@
 A draft of k tokens accepted with per-token probability a commits (1 - a^(k+1)) / (1 - a)
 tokens in one verify pass costing cost(k+1) plain steps. `DraftController` applies
 that per round for `--max-draft auto`: smoothed acceptance, hysteresis, drafting off
-where it doesn't pay, and a probe now and then.
+where it doesn't pay, and a probe now and then. A head's round also pays its own draft pass
+first (engine/tuning/head_cost.py), charged where it was measured: a head on a target whose
+verify is cheap against it (a small model on a CPU) drafts less, or not at all.
+
+What each mode's drafts were seen to be accepted in this process is kept per model
+(`seen_acceptance`): the next controller of that mode starts from it, and `auto`'s choice of
+mode (engine/tuning/mode_choice.py) reads it.
 """
 
 from __future__ import annotations
 
+from engine.drafting.heads import HEAD_MODES
 from engine.kernels.cpu_attention import MAX_WIDTH
 from engine.tuning.batch_cost import BatchSurface, surface_for
 from engine.tuning.cost_curve import CostCurve, curve_for_requests
+from engine.tuning.head_cost import known_head_cost
+
+DEFAULT_PRIOR = 0.7  # a mode's acceptance before any round of it was seen
 
 
 # -- expected throughput ---------------------------------------------------------------
@@ -30,14 +40,21 @@ def expected_speedup(k: int, acceptance: float, costs: list[float]) -> float:
 
 
 def best_draft_cap(
-    curve: CostCurve, acceptance: float, depth: int = 2048, max_cap: int = MAX_WIDTH - 1
+    curve: CostCurve, acceptance: float, depth: int = 2048, max_cap: int = MAX_WIDTH - 1, draft_cost: float = 0.0
 ) -> tuple[int, float]:
-    """(static draft cap, its expected speedup) maximising tokens/s; (0, 1.0) if none pays."""
-    costs = curve.costs(depth, max_cap + 1)
-    return _best(acceptance, costs, max_cap)
+    """(static draft cap, its expected speedup) maximising tokens/s; (0, 1.0) if none pays.
+    `draft_cost`: plain steps a drafted round pays before its verify (a head's pass)."""
+    return best_cap(acceptance, round_costs(curve.costs(depth, max_cap + 1), draft_cost), max_cap)
 
 
-def _best(acceptance: float, costs: list[float], max_cap: int) -> tuple[int, float]:
+def round_costs(verify_costs: list[float], draft_cost: float) -> list[float]:
+    """A round's cost per draft length k (index k, verify width k + 1), in plain steps: the
+    verify pass, and the draft pass for every round that drafts."""
+    return [c + (draft_cost if k else 0.0) for k, c in enumerate(verify_costs)]
+
+
+def best_cap(acceptance: float, costs: list[float], max_cap: int) -> tuple[int, float]:
+    """(draft length, tokens per plain step) best for these round costs; (0, 1.0) if no draft pays."""
     best_k, best = 0, 1.0
     a = min(max(acceptance, 0.0), 1.0)
     total, term = 1.0, 1.0  # running geometric sum: expected tokens for k = 0
@@ -48,6 +65,42 @@ def _best(acceptance: float, costs: list[float], max_cap: int) -> tuple[int, flo
         if gain > best:
             best_k, best = k, gain
     return best_k, best
+
+
+# -- acceptance seen in this process ------------------------------------------------------
+
+
+class SeenAcceptance:
+    """One mode's drafts on one model, as seen in this process: accepted tokens and rounds
+    that ended on a rejection, whose ratio is the geometric continuation probability."""
+
+    def __init__(self):
+        self.accepted, self.rejections, self.rounds = 0, 0, 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.rounds += 1
+            self.accepted += accepted
+            self.rejections += accepted < drafted
+
+    def acceptance(self, prior: float = DEFAULT_PRIOR) -> float:
+        """The estimate, with one pseudo-round at `prior` (so a few rounds move it, none leave it)."""
+        prior = min(max(prior, 0.01), 0.99)
+        acc = self.accepted + prior / (1 - prior)
+        return acc / (acc + self.rejections + 1.0)
+
+
+_SEEN: dict[tuple[str, str], SeenAcceptance] = {}
+
+
+def seen_acceptance(target, mode: str) -> SeenAcceptance:
+    """What this process saw of `mode`'s drafts on this target (a live record, fed by its controllers)."""
+    return _SEEN.setdefault((str(target.identity), mode), SeenAcceptance())
+
+
+def forget_seen_acceptance() -> None:
+    """Forget what this process saw of every mode (a fresh start, as in a new process)."""
+    _SEEN.clear()
 
 
 # -- the adaptive controller ---------------------------------------------------------------
@@ -74,7 +127,7 @@ class DraftController:
         curve: CostCurve,
         depth: int = 0,
         max_cap: int = MAX_WIDTH - 1,
-        prior: float = 0.7,
+        prior: float = DEFAULT_PRIOR,
         decay: float = 0.8,
         hysteresis: float = 0.05,
         min_gain: float = 1.02,
@@ -82,9 +135,15 @@ class DraftController:
         probe_max: int = 256,
         probe_cap: int = 4,
         surface: BatchSurface | None = None,
+        draft_cost: float = 0.0,
+        seen: SeenAcceptance | None = None,
+        source: str = "",
     ):
         self.curve, self.depth, self.max_cap = curve, depth, max_cap
         self.surface = surface or BatchSurface.default()
+        self.draft_cost = draft_cost  # plain steps a drafted round pays before its verify (a head's pass)
+        # the process's record, fed by rounds of `source` only (a head mode's long lookup matches are lookup's)
+        self.seen, self.source = seen, source
         self._batch = 1
         self.decay, self.hysteresis, self.min_gain = decay, hysteresis, min_gain
         self.probe_every, self.probe_max, self.probe_cap = probe_every, probe_max, probe_cap
@@ -125,10 +184,12 @@ class DraftController:
             return self.probe_cap
         return 0
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, source: str = "") -> None:
         self.depth += accepted + 1
         if drafted <= 0:
             return  # the drafter had nothing: no evidence either way
+        if self.seen is not None and source == self.source:
+            self.seen.observe(drafted, accepted)
         self._acc = self.decay * self._acc + accepted
         self._rej = self.decay * self._rej + (1.0 if accepted < drafted else 0.0)
         probed, self._probing = self._probing, False
@@ -142,13 +203,14 @@ class DraftController:
         if bucket != self._costs_bucket:
             self._costs_bucket = bucket
             costs = self.curve.costs(bucket[0] * 512 + 256, self.max_cap + 1)
-            self._costs = [c * self.surface.factor(self._batch, w) for w, c in enumerate(costs, 1)]
+            self._costs = round_costs([c * self.surface.factor(self._batch, w) for w, c in enumerate(costs, 1)],
+                                      self.draft_cost)
         return self._costs
 
     def _decide(self, first: bool = False) -> int:
         costs = self._current_costs()
         a = self.acceptance
-        k, gain = _best(a, costs, self.max_cap)
+        k, gain = best_cap(a, costs, self.max_cap)
         if self.off:
             if gain >= self.min_gain * (1 + self.hysteresis):
                 self.off = False
@@ -167,7 +229,12 @@ class DraftController:
         return self.cap
 
 
-def draft_controller(target, prompt_tokens: int, kv_bits: int | None = None) -> DraftController:
-    """A fresh controller for one generation (the engine builds one per `auto` request)."""
+def draft_controller(target, prompt_tokens: int, kv_bits: int | None = None, mode: str = "") -> DraftController:
+    """A fresh controller for one generation of `mode` (the engine builds one per `auto` cap):
+    starting from the acceptance this process saw of the mode, charging a head's measured draft."""
+    seen = seen_acceptance(target, mode) if mode else None
+    draft_cost = (known_head_cost(target, mode, kv_bits) or 0.0) if mode in HEAD_MODES else 0.0
     return DraftController(curve_for_requests(target, kv_bits), depth=prompt_tokens,
-                           surface=surface_for(target, kv_bits))
+                           surface=surface_for(target, kv_bits), draft_cost=draft_cost,
+                           prior=seen.acceptance() if seen is not None else DEFAULT_PRIOR,
+                           seen=seen, source=mode)  # a round's source is the mode's own drafts (a head's kind)

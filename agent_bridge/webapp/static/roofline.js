@@ -26,7 +26,7 @@ async function load() {
   // Decode speed per depth (from the curve /machine used: the tuned one, else a quick
   // one-depth measurement): the bandwidth ceiling, measured plain decoding, a perfect
   // drafter's best, and each recent request (its decode tok/s at its prompt length).
-  const rows = Object.entries(r.by_depth).map(([depth, d]) => ({ depth: Number(depth), plain_tok_s: d.plain_tok_s,
+  const rows = Object.entries(r.by_depth).map(([depth, d]) => ({ depth: Number(depth), plain_tok_s: d.plain_tok_s, ceiling_tok_s: d.ceiling_tok_s,
     best_speedup: d.best_speedup_perfect_drafter, best_width: d.best_width, cost: d.cost }));
   const recent = snap.recent.filter((j) => j.generated > 1 && j.decode_tok_s > 0);
   const xs = [...new Set([...rows.map((d) => d.depth), ...recent.map((j) => j.prompt_tokens)])].sort((a, b) => a - b);
@@ -36,7 +36,7 @@ async function load() {
     return hits.length ? Math.max(...hits.map((j) => j.decode_tok_s)) : null;
   });
   const dot = (colour) => ({ show: true, size: 7, fill: colour });
-  const data = [xs, xs.map(() => r.plain_decode_ceiling_tok_s), xs.map((x) => at(x, "plain_tok_s")),
+  const data = [xs, xs.map((x) => at(x, "ceiling_tok_s") ?? r.plain_decode_ceiling_tok_s), xs.map((x) => at(x, "plain_tok_s")),
     xs.map((x) => { const p = at(x, "plain_tok_s"); return p === null ? null : p * at(x, "best_speedup"); }), landed];
   roofPlot = replacePlot(roofPlot, $("#roof-plot"), {
     scales: { x: { time: false, distr: xs[0] > 0 ? 3 : 1 }, y: { distr: 3 } },

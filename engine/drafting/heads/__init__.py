@@ -11,7 +11,7 @@ from __future__ import annotations
 from engine.base.errors import InvalidRequestError
 from engine.drafting.heads.drafter import HeadDrafter
 from engine.drafting.heads.loading import DrafterLoadError, load_head
-from engine.drafting.heads.registry import available_locally, base_name, entry_for
+from engine.drafting.heads.registry import base_name, entry_for
 
 HEAD_MODES = ("dflash", "dspark")
 
@@ -33,20 +33,8 @@ def head_for(target, mode: str):
     return head
 
 
-def auto_mode(target) -> str | None:
-    """The registered head mode that measured best for this target, if its weights are here."""
-    entry = entry_for(target)
-    if entry.best and entry.best in entry.heads and available_locally(entry.heads[entry.best]):
-        try:
-            target.check_tappable()
-        except ValueError:
-            return None
-        return entry.best
-    return None
-
-
 def make_head_drafter(mode: str, target, corpus: list[list[int]]) -> HeadDrafter:
     return HeadDrafter(head_for(target, mode), target, corpus)
 
 
-__all__ = ["DrafterLoadError", "HEAD_MODES", "HeadDrafter", "auto_mode", "head_for", "load_head", "make_head_drafter"]
+__all__ = ["DrafterLoadError", "HEAD_MODES", "HeadDrafter", "head_for", "load_head", "make_head_drafter"]

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The yardsticks at real cost on a GPU (MLX CUDA or Metal): the bundled model widened to Qwen3-8B's
+# shape and to Qwen3-30B-A3B's MoE shape (training/widen.py, quantised as written), then for each
+# `benchmark --contents refactor,edit,chat` against mlx-lm and the concurrency benchmark (1, 4, 8
+# streams). From the repository root:
+#
+#     bash scripts/real_cost_bench.sh OUT_DIR
+#
+# Writes OUT_DIR/<shape>_q<bits>_{build,tune,benchmark,concurrency}.log, the JSON of each
+# measuring pass (<shape>_q<bits>_benchmark.json, _concurrency.json) and OUT_DIR/progress.log;
+# measurement caches (cost curve, batch surface) go to OUT_DIR/cache. The models are built under
+# MODELS_DIR (default /tmp/yardsticks, outside OUT_DIR: their weights don't come back; the 8-bit
+# MoE is ~42 GB) and removed after their passes unless KEEP=1. Every pass is capped with `timeout`
+# (BUILD_S 180, TUNE_S 90, BENCH_S 150, CONC_S 120: at most 9 minutes a model, the build is the
+# part that varies with the disk); a pass cut short says so and the next one runs. The warm-up
+# pass (`tune`) measures the verify cost curve and prefill chunk into the cache and compiles the
+# kernels, so neither is charged to the benchmark's first measured side (which also alternates
+# who goes first); the concurrency benchmark warms up by itself as well.
+# Environment: SHAPES ("qwen3-8b qwen3-30b-a3b"; one per call keeps a call under 10 minutes),
+# QBITS ("8"; "4 8" for both), TRIALS (2), MAX_TOKENS (unset: each content's own budget), PYTHON
+# (python3), MODELS_DIR, KEEP; a PYTHONPATH given (an MLX build installed with pip --target) is kept
+# after the repository.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: real_cost_bench.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} MLX_DSPARK_NO_REEXEC=1 HF_HUB_OFFLINE=1 MLX_DSPARK_CACHE_DIR="$out/cache"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+models_dir=${MODELS_DIR:-/tmp/yardsticks}
+trials=${TRIALS:-2}
+budget=()
+[ -n "${MAX_TOKENS:-}" ] && budget=(--max-tokens "$MAX_TOKENS")
+log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$out/progress.log"; }
+
+# pass NAME SECONDS COMMAND...: run one capped pass, its output in OUT_DIR/NAME.log
+pass() {
+  local name=$1 limit=$2
+  shift 2
+  log "start $name (cap ${limit}s)"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  [ $rc -eq 0 ] && log "done $name" || log "FAILED or cut short: $name (rc $rc); its log has what was measured"
+  return $rc
+}
+
+$py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info().get('device_name', ''))" \
+  | tee -a "$out/progress.log"
+git log -1 --format='commit %H %cI' 2>/dev/null | tee -a "$out/progress.log"
+df -h "$(dirname "$models_dir")" | tail -1 | tee -a "$out/progress.log"
+for shape in ${SHAPES:-qwen3-8b qwen3-30b-a3b}; do
+  for bits in ${QBITS:-8}; do
+    tag="${shape}_q$bits"
+    model="$models_dir/$tag"
+    if [ ! -e "$model/config.json" ]; then
+      rm -rf "$model"
+      pass "${tag}_build" "${BUILD_S:-180}" $py training/widen.py engine/reference_model "$model" \
+        --shape "$shape" --q-bits "$bits" --dtype bfloat16 || { rm -rf "$model"; continue; }
+    fi
+    du -sh "$model" | tee -a "$out/progress.log"
+    pass "${tag}_tune" "${TUNE_S:-90}" $py -m agent_bridge tune --model "$model"
+    pass "${tag}_benchmark" "${BENCH_S:-150}" $py -m agent_bridge benchmark --model "$model" \
+      --contents refactor,edit,chat --trials "$trials" "${budget[@]}" --json-file "$out/${tag}_benchmark.json"
+    pass "${tag}_concurrency" "${CONC_S:-120}" $py scripts/bench_concurrency.py --model "$model" \
+      --contents chat,refactor --concurrency 1,4,8 --trials "$trials" --max-tokens "${MAX_TOKENS:-128}" \
+      --no-http --tune --json-file "$out/${tag}_concurrency.json"
+    [ "${KEEP:-0}" = 1 ] || rm -rf "$model"
+  done
+done
+log "all passes done"

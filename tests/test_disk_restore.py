@@ -1,0 +1,194 @@
+"""The disk tier's restores (issue 31): a file is read only where reading is faster than computing
+(measured rates, a real file reader slowed down for the slow disk), outputs identical either way;
+a restore cut in the middle falls back to computing; SIGTERM and `kill -9` leave, and restarts
+read, the same segments. Tiny random model; outputs compared with a cache-less engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import Engine
+from engine.caches import kv_disk
+from test_kv_disk_durable import _complete, _free_port, _serve, files, out, session
+from test_prefix_cache import rand_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).with_name("disk_child.py")
+SLOW_BYTES_PER_S = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir), prefix_cache=False)
+    yield engine
+    engine.close()
+
+
+def throttled(bytes_per_s: float):
+    """The tier's own reader, slowed down to `bytes_per_s` (a slow disk)."""
+    def read(fd, view, offset):
+        got = kv_disk.read_into(fd, view, offset)
+        time.sleep(got / bytes_per_s)
+        return got
+    return read
+
+
+def warm_engine(model: Path, cache_dir: Path, reader=None) -> Engine:
+    e = Engine(str(model), prefix_cache_dir=cache_dir, prefill_chunk=64)
+    if reader is not None:
+        e.prefix_cache.disk.reader = reader
+    return e
+
+
+def rates(cache_dir: Path) -> dict:
+    return json.loads(next(cache_dir.rglob(kv_disk.RATES_FILE)).read_text())
+
+
+def test_restore_or_compute_by_the_measured_rates(tiny_model_dir, plain, tmp_path, cache_home):
+    prompt = rand_tokens(2200, 3)  # a file over 1 MiB: big enough to time the disk by
+    expected = out(plain, prompt)[0]
+    first = tmp_path / "first"
+    e = warm_engine(tiny_model_dir, first)
+    assert out(e, prompt) == (expected, 0)
+    e.close()
+    assert rates(first)["prefill_tokens_per_s"] > 0  # measured by that cold prefill
+    assert rates(first)["restore_bytes_per_s"] is None  # nothing read yet
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    shutil.copytree(first, fast)
+    shutil.copytree(first, slow)
+
+    # a fast disk: restored, and the rate it read at kept for the next start
+    e = warm_engine(tiny_model_dir, fast)
+    assert out(e, prompt) == (expected, len(prompt) - 1)
+    e.close()
+    e = warm_engine(tiny_model_dir, fast)
+    assert out(e, prompt) == (expected, len(prompt) - 1)
+    assert e.cache_stats()["disk_declined_tokens"] == 0
+    e.close()
+
+    # a slow disk: the first start reads (no rate known yet) and measures it ...
+    e = warm_engine(tiny_model_dir, slow, throttled(SLOW_BYTES_PER_S))
+    assert out(e, prompt) == (expected, len(prompt) - 1)
+    e.close()
+    measured = rates(slow)
+    assert measured["restore_bytes_per_s"] < 2 * SLOW_BYTES_PER_S
+    # ... and every later one computes instead: reading would cost more than the prefill
+    assert rates(fast)["restore_bytes_per_s"] > measured["restore_bytes_per_s"]
+    e = warm_engine(tiny_model_dir, slow, throttled(SLOW_BYTES_PER_S))
+    assert out(e, prompt) == (expected, 0)
+    stats = e.cache_stats()
+    assert stats["disk_loads"] == 0 and stats["disk_declined_tokens"] == len(prompt) - 1
+    assert stats["disk_restore_gb_per_s"] is not None and stats["prefill_tokens_per_s"] is not None
+    e.close()
+
+
+def test_restore_cut_in_the_middle_falls_back_to_computing(tiny_model_dir, plain, tmp_path, cache_home, caplog):
+    prompt = rand_tokens(700, 4)
+    expected = out(plain, prompt)[0]
+    e = warm_engine(tiny_model_dir, tmp_path)
+    out(e, prompt)
+    e.close()
+    written = files(tmp_path)
+
+    def cut_after_first_read(fd, view, offset):  # the files lose their tails while being read
+        got = kv_disk.read_into(fd, view, offset)
+        for path in written:
+            if path.exists():
+                os.truncate(path, min(path.stat().st_size, 4096))
+        return got
+
+    e = warm_engine(tiny_model_dir, tmp_path, cut_after_first_read)
+    assert out(e, prompt) == (expected, 0)
+    assert e.cache_stats()["disk_skipped"] >= 1 and e.cache_stats()["disk_loads"] == 0
+    e.close()
+    assert any("skipping" in r.getMessage() for r in caplog.records)
+
+
+KILLED_CHILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from engine.caches import kv_disk
+real = kv_disk.read_into
+def slow(fd, view, offset):
+    print("reading", flush=True)
+    time.sleep(0.5)
+    return real(fd, view[:4096], offset)
+kv_disk.read_into = slow
+sys.argv = ["disk_child.py", {cfg!r}]
+import runpy
+runpy.run_path({child!r}, run_name="__main__")
+"""
+
+
+def test_kill_9_mid_restore_then_restart_reads_it(tiny_model_dir, plain, tmp_path):
+    prompt = rand_tokens(700, 5)
+    expected = out(plain, prompt)[0]
+    cfg = {"model": str(tiny_model_dir), "cache_dir": str(tmp_path), "prompts": [prompt]}
+    subprocess.run([sys.executable, str(CHILD), json.dumps(cfg)], check=True, capture_output=True, timeout=300)
+    before = {p.name for p in files(tmp_path)}
+    code = KILLED_CHILD.format(tests=str(ROOT / "tests"), cfg=json.dumps(cfg), child=str(CHILD))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "reading"  # the restore has begun, a 4 KiB read at a time
+    proc.kill()  # kill -9 in the middle of it
+    proc.wait(timeout=30)
+    assert {p.name for p in files(tmp_path)} == before  # reading left the files as they were
+    done = subprocess.run([sys.executable, str(CHILD), json.dumps(cfg)], check=True, capture_output=True,
+                          text=True, timeout=300)
+    rec = json.loads(done.stdout.splitlines()[0])
+    assert rec["tokens"] == expected and rec["cached"] == len(prompt) - 1
+
+
+def _session_then(model: Path, cache_dir: Path, prompts: list[list[int]], sig: int) -> None:
+    port = _free_port()
+    proc = _serve(model, cache_dir, port)
+    try:
+        for p in prompts:
+            _complete(port, p)
+        deadline = time.time() + 30  # the background writer done: nothing left that only a clean stop writes
+        seen = None
+        while time.time() < deadline:
+            now = sorted(p.name for p in cache_dir.rglob("*.safetensors"))
+            if now == seen and not any(n.startswith(".tmp-") for n in now):
+                break
+            seen = now
+            time.sleep(0.5)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_and_kill_9_restarts_read_the_same_segments(tiny_model_dir, plain, tmp_path):
+    # each turn leaves the last one's generated tokens behind: edges split, as in an agent's session
+    prompts = session(3, first=400, step=150, seed=21)
+    folders = {sig: tmp_path / sig.name for sig in (signal.SIGKILL, signal.SIGTERM)}
+    for sig, folder in folders.items():
+        _session_then(tiny_model_dir, folder, prompts, sig)
+    names = {sig: sorted(p.name for p in files(folder)) for sig, folder in folders.items()}
+    assert names[signal.SIGKILL] == names[signal.SIGTERM]  # a clean stop re-writes nothing
+    final = prompts[-1] + [5, 6, 7]
+    expected = plain.decode(out(plain, final)[0])
+    for folder in folders.values():
+        port = _free_port()
+        proc = _serve(tiny_model_dir, folder, port)
+        try:
+            text, cached = _complete(port, final)
+            assert text == expected and cached == len(prompts[-1])
+            stats = httpx.get(f"http://127.0.0.1:{port}/v1/cache", timeout=30).json()["stats"]
+            assert stats["prefill_tokens_per_s"] > 0  # kept from the first run's prefills
+            assert "disk_restore_gb_per_s" in stats  # files this small don't time the disk: None
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
