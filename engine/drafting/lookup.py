@@ -9,12 +9,18 @@ mostly rejected and doubles it back after full acceptances.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from engine.caches.radix_tree import common_prefix
 from engine.drafting.drafter import Draft, Drafter
 
 NGRAM_SIZES = (8, 4, 2)  # probe the most specific first
 MAX_CANDIDATES = 16  # most recent occurrences examined per query
 MAX_MATCH = 64  # backward extension limit
+# Continues (or rebuilds) a request's context index while its prefill runs: MLX computes without
+# the GIL, so the first token doesn't wait for the index (after a long divergent reply, rebuilding
+# 15k tokens' n-grams takes a few hundred ms on a slow CPU). One worker: takes never overlap.
+_INDEXER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookup-index")
 
 
 def draft_length_for_match(match_len: int) -> int:
@@ -130,22 +136,33 @@ class LookupDrafter(Drafter):
     def __init__(self, corpus: "list[list[int] | TokenIndex] | None" = None, min_limit: int = 2):
         # documents may come indexed already (the engine's corpus: indexed once, on arrival)
         self.corpus = [doc if isinstance(doc, TokenIndex) else TokenIndex(doc) for doc in (corpus or []) if len(doc) > 1]
-        self.context = TokenIndex()
+        self._context = TokenIndex()
+        self._pending: Future | None = None  # the context index, being built off this thread
         self.min_limit = min_limit
         self.limit = 1 << 30  # the gate; the caller's cap bounds it too
         self.contexts: ContextIndexCache | None = None
+
+    @property
+    def context(self) -> TokenIndex:
+        """The request's context so far, indexed (waits for the index started by `start`)."""
+        if self._pending is not None:
+            self._context, self._pending = self._pending.result(), None
+        return self._context
 
     def use_context_cache(self, contexts: ContextIndexCache) -> None:
         self.contexts = contexts
 
     def start(self, prompt_ids: list[int]) -> None:
-        self.context = self.contexts.index_for(prompt_ids) if self.contexts else TokenIndex(prompt_ids)
         self.limit = 1 << 30
+        if self.contexts is None:
+            self._context, self._pending = TokenIndex(prompt_ids), None
+        else:
+            self._pending = _INDEXER.submit(self.contexts.index_for, list(prompt_ids))
 
     def finish(self) -> None:
         if self.contexts is not None:
             self.contexts.keep(self.context)
-            self.context = TokenIndex()
+            self._context = TokenIndex()
 
     def add_corpus(self, doc: list[int]) -> None:
         if len(doc) > 1:
