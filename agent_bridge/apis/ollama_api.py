@@ -37,6 +37,7 @@ from starlette.routing import Route
 from engine import Done, EngineError, ModelInfo, model_locations
 from engine.catalog.model_catalog import describe
 
+from agent_bridge.apis import openai_api
 from agent_bridge.apis.sse import SSE_HEADERS, EventStream, Heartbeat
 from agent_bridge.apis.stream_driver import PlainText, Wire, collect_text, cut_short, drive, whole_reply
 from agent_bridge.chat.chat_request import (MAX_TOKENS_LIMIT, ChatRequest, check_context, get, get_int, get_number,
@@ -197,17 +198,10 @@ def convert_messages(messages: list, omitted: list, notes: list) -> list[dict]:
 
 
 def convert_tools(tools: Any) -> list[dict] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("tools: expected an array", param="tools")
-    out = []
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or t.get("type", "function") != "function":
-            raise bad_request(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
-        out.append({"type": "function", "function": fn})
-    return out or None
+    """Ollama's tools are OpenAI's, their `type` optional."""
+    if isinstance(tools, list):
+        tools = [{"type": "function", **t} if isinstance(t, dict) else t for t in tools]
+    return openai_api.convert_tools(tools)
 
 
 def common_fields(body: dict, default_max_tokens: int) -> dict:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import time
 
 from engine.base.measurements import MeasurementStore, cached_or_measured
-from engine.base.platform import device_name
 from engine.caches.kv_segments import fresh_cache
 from engine.caches.rollback import mark, take_back
 from engine.decoding.verify import prefill
 from engine.drafting.heads import make_head_drafter
 from engine.drafting.heads.registry import entry_for
+from engine.tuning.cost_curve import curve_key
 
 HEAD_COST_FORMAT = 1
 MEASURE_DEPTH = 256
@@ -33,21 +33,9 @@ HEAD_COSTS = MeasurementStore("head-draft-cost")
 
 
 def head_cost_key(target, mode: str, kv_bits: int | None = None) -> dict:
-    """What a head's draft cost depends on: the machine, MLX, the target, the head's checkpoint."""
-    import mlx.core as mx
-
-    return {
-        "format": HEAD_COST_FORMAT,
-        "device": device_name(),
-        "mlx": mx.__version__,
-        "model": target.identity,
-        "dtype": target.dtype,
-        "quantization": target.config.get("quantization") or None,
-        "kv_bits": kv_bits,
-        "mode": mode,
-        "head": str(entry_for(target).heads.get(mode)),
-        "head_bits": getattr(target, "drafter_bits", None),
-    }
+    """What a head's draft cost depends on: what the target's cost curve does, and the head's checkpoint."""
+    return curve_key(target, kv_bits, format=HEAD_COST_FORMAT, mode=mode,
+                     head=str(entry_for(target).heads.get(mode)), head_bits=getattr(target, "drafter_bits", None))
 
 
 def measure_head_cost(target, mode: str, kv_bits: int | None = None, repeats: int = MEASURE_REPEATS,
