@@ -54,11 +54,14 @@ def create_app(
     max_models: int = 1,
     engine_handle: Any = None,
     models_memory_mb: float | None = None,
+    strict_tools: bool | None = False,
 ) -> Starlette:
     """`load_engine(path)` builds an engine for another model (POST /v1/models/load, and
     requests naming one with `allow_switch`); `max_models` stay loaded (model_registry.py).
-    `engine_handle` (an EngineHandle given to the MCP tools) follows the current model."""
-    bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name, max_queue)
+    `engine_handle` (an EngineHandle given to the MCP tools) follows the current model.
+    `strict_tools` (--strict-tools): every tool's calls valid by construction; None: for the
+    call syntaxes the grammar spells (agent_bridge/chat/reply_grammar.py)."""
+    bridge = Bridge.for_engine(engine, context_window, default_max_tokens, model_name, max_queue, strict_tools)
     registry = ModelRegistry(bridge, load_engine, allow_switch=allow_switch, max_models=max_models,
                              models_dirs=list(models_dirs), context_window=context_window, handle=engine_handle,
                              memory_budget=int(models_memory_mb * 2**20) if models_memory_mb else None)

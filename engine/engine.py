@@ -509,7 +509,7 @@ class Engine:
         job, drafter, prompt = seq.job, seq.drafter, seq.prompt
         to_prefill = prompt[seq.cached : -1]
         computing = 0.0  # this prompt's own prefill time (other requests' steps run between chunks)
-        for start, stop in prefill_chunks(len(to_prefill), self.prefill_chunk, embeddings):
+        for start, stop in prefill_chunks(len(to_prefill), self.prefill_chunk, embeddings, depth=seq.cached):
             yield
             t0 = time.perf_counter()
             prefill(

@@ -1,5 +1,6 @@
 """Does a verify forward's varying width cost MLX CUDA a kernel build each round? Forwards of one model
-at a growing depth: one width repeated, widths varying (twice), widths padded up to a few buckets.
+at a growing depth: one width repeated, widths varying (twice), widths padded up to a few buckets;
+then the same with engine/kernels/gpu_attention.py routing them (no cuDNN graph per shape).
 
     python3 scripts/verify_shapes_gpu.py MODEL_DIR   (e.g. a training/widen.py yardstick)
 """
@@ -33,3 +34,12 @@ run("widths varying", widths)
 run("widths padded to buckets", [bucket(w) for w in widths])
 run("widths varying again", widths)
 run("width 1 repeated", [1] * 60)
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+from engine.kernels import gpu_attention  # noqa: E402
+
+print("gpu_attention installed:", gpu_attention.install())
+widths = [rng.choice([1, 2, 3, 5, 8, 13, 17, 23, 29, 31, 40, 47, 55, 63, 64]) for _ in range(60)]  # new ones
+run("routed: width 26 repeated", [26] * 60)
+run("routed: widths varying", widths)
+run("routed: widths varying again", widths)

@@ -194,3 +194,14 @@ def test_machine_route_reports_the_roofline(tiny_engine, cache_home):
     assert depth["best_width"] >= 1 and depth["best_speedup_perfect_drafter"] >= 1.0
     assert set(depth["cost"]) == {"2", "4", "8", "16", "32", "64"}
     assert "quick" in roof["curve"]
+
+
+def test_tune_command_prints_its_report(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`mlx-dspark tune` as a user runs it (the text report, not --json): the report is printed
+    after the engine has closed, so nothing in it may ask the closed engine."""
+    from agent_bridge.cli import main
+
+    monkeypatch.setenv("MLX_DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["tune", "--model", str(tiny_model_dir), "--depths", "64", "--repeats", "1", "--no-prefill"]) == 0
+    out = capsys.readouterr().out
+    assert "verify cost curve for" in out and "dtype float32" in out and "best perfect-drafter speedup" in out

@@ -119,3 +119,18 @@ def test_reference_model_batched_diverges_only_at_near_ties():
         assert engine.load()["batched_rounds"] > before
         for prompt, a, b in zip(prompts, alone, together):
             assert_same_greedy_away_from_ties(engine, prompt, a, b)
+
+
+def test_moe_target_verifies_in_batched_forwards(tmp_path):
+    """A mixture-of-experts target (tiny random qwen3_moe) shares forwards too, each row's
+    tokens those it gets alone."""
+    from tiny_models import build_family_model
+
+    path = build_family_model(tmp_path / "moe", "qwen3_moe")
+    with Engine(str(path), max_batch=3, prefill_chunk=16) as batched, Engine(str(path)) as single:
+        ids = [single.encode(p) for p in PROMPTS[:2] + PROMPTS[3:]]
+        expected = [alone(single, i, 30, "lookup").token_ids for i in ids]
+        results = run_all([batched.submit(GenerationRequest(i, max_tokens=30, mode="lookup")) for i in ids])
+        for i, want, r in zip(ids, expected, results):
+            assert_same_greedy_away_from_ties(single, i, want, r[0].token_ids)
+        assert batched.load()["batched_rounds"] > 0

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -19,8 +20,10 @@ import pytest
 
 from engine import Engine
 from engine.caches import kv_disk
+from greedy_ties import assert_same_greedy_away_from_ties
 from test_kv_disk_durable import _complete, _free_port, _serve, files, out, session
 from test_prefix_cache import rand_tokens
+from tiny_models import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("disk_child.py")
@@ -48,6 +51,12 @@ def warm_engine(model: Path, cache_dir: Path, reader=None) -> Engine:
     if reader is not None:
         e.prefix_cache.disk.reader = reader
     return e
+
+
+def header(path: Path) -> dict:
+    """A safetensors file's header: each tensor's dtype, shape and offsets."""
+    with open(path, "rb") as f:
+        return json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
 
 
 def rates(cache_dir: Path) -> dict:
@@ -90,6 +99,54 @@ def test_restore_or_compute_by_the_measured_rates(tiny_model_dir, plain, tmp_pat
     assert stats["disk_loads"] == 0 and stats["disk_declined_tokens"] == len(prompt) - 1
     assert stats["disk_restore_gb_per_s"] is not None and stats["prefill_tokens_per_s"] is not None
     e.close()
+
+
+def test_a_slow_rate_is_probed_again(tiny_model_dir, plain, tmp_path, cache_home):
+    prompt = rand_tokens(2200, 6)
+    expected = out(plain, prompt)[0]
+    e = warm_engine(tiny_model_dir, tmp_path)
+    out(e, prompt)
+    e.close()
+    e = warm_engine(tiny_model_dir, tmp_path, throttled(SLOW_BYTES_PER_S))  # a loaded disk, timed
+    assert out(e, prompt) == (expected, len(prompt) - 1)
+    e.close()
+    slow = rates(tmp_path)["restore_bytes_per_s"]
+
+    # the disk is fast again: the kept rate still says "compute", and the disk is timed again ...
+    e = warm_engine(tiny_model_dir, tmp_path)
+    assert out(e, prompt) == (expected, 0)
+    assert e.cache_stats()["disk_reprobes"] == 1
+    e.prefix_cache.disk.wait_probe(60)
+    e.close()
+    assert rates(tmp_path)["restore_bytes_per_s"] > 10 * slow
+    # ... so the next start reads it
+    e = warm_engine(tiny_model_dir, tmp_path)
+    assert out(e, prompt) == (expected, len(prompt) - 1)
+    e.close()
+
+
+def test_quantised_kv_goes_to_disk_in_its_own_form(tmp_path_factory, tmp_path):
+    wide = build_tiny_model(tmp_path_factory.mktemp("tiny-wide"), arch="qwen3", seed=3, hidden=128)  # head_dim 32
+    prompt = rand_tokens(300, 7)
+    q8, full = tmp_path / "q8", tmp_path / "full"
+    with Engine(str(wide), prefix_cache=False, kv_bits=8) as plain8:
+        want = out(plain8, prompt + [11])[0]
+        for bits, folder in ((8, q8), (None, full)):
+            with Engine(str(wide), kv_bits=bits, prefix_cache_dir=folder) as e:
+                out(e, prompt)
+        # the packed data (uint32) and the scales and biases, as the cache holds them: not dequantised
+        for path in files(q8):
+            dtypes = {k: v["dtype"] for k, v in header(path).items() if k.startswith("l")}
+            assert dtypes and all(dtypes[k] == "U32" for k in dtypes if k.endswith((".0", ".3")))
+        on_disk = {f: sum(p.stat().st_size for p in files(f)) for f in (q8, full)}
+        assert 0 < on_disk[q8] < on_disk[full] / 3  # 8 bits and a scale and bias per 32 against float32
+        with Engine(str(wide), kv_bits=8, prefix_cache_dir=q8) as again:
+            got, cached = out(again, prompt + [11])
+            assert cached == len(prompt)  # restored in its own form ...
+            assert_same_greedy_away_from_ties(plain8, prompt + [11], want, got)  # ... as recomputing with it
+    for other in (4, None):  # another KV format: another identity, never read
+        with Engine(str(wide), kv_bits=other, prefix_cache_dir=q8) as e:
+            assert e.cache_stats()["disk_files"] == 0
 
 
 def test_restore_cut_in_the_middle_falls_back_to_computing(tiny_model_dir, plain, tmp_path, cache_home, caplog):

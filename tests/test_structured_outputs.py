@@ -13,6 +13,7 @@ import json
 
 import anthropic
 import jsonschema
+import mlx.core as mx
 import numpy as np
 import openai
 import pytest
@@ -20,8 +21,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from agent_bridge.app import create_app
 from engine import Constraint, Engine, GenerationRequest, InvalidRequestError, SamplingParams
-from engine.base.sampling import target_probs
-from engine.decoding.grammar import masked
+from engine.base.sampling import accept_greedy, target_probs
+from engine.decoding.grammar import masked, pack_bits
+from engine.decoding.verify import accept_greedy_masked
+from engine.drafting.lookup import LookupDrafter
 from server_harness import RunningServer
 from stats_util import chi_square_fits
 
@@ -73,6 +76,41 @@ def test_greedy_with_drafts_equals_without(engine, schema):
             assert drafted.stats.rounds < len(plain.token_ids)  # the drafts held
             forced += drafted.stats.accepted_by_source.get("grammar", 0)
     assert forced > 0  # forced tokens were drafted (for free) and accepted
+
+
+def test_lookup_continues_past_forced_tokens(engine):
+    """After the grammar's forced tokens the draft goes on with lookup's match at the new end (a
+    reply copying JSON from its prompt), as far as the grammar allows; greedy output unchanged."""
+    schema = SCHEMAS[4]
+    shown = json.dumps({"path": "src/app/config.py", "content": "x = 1", "mode": "create"})
+    prompt = f"Return this JSON exactly: {shown}"
+    ids = engine.render_chat([{"role": "user", "content": prompt}])
+    state = engine.grammars.start(Constraint.json_schema(schema))
+    lookup = LookupDrafter()
+    lookup.start(ids)
+    forced = state.shape_draft([], None, 32, deterministic=True)
+    continued = state.shape_draft([], None, 32, deterministic=True, continue_after=lookup.continue_after)
+    assert forced.tokens and continued.tokens[: len(forced.tokens)] == forced.tokens
+    assert len(continued.tokens) > len(forced.tokens) and continued.forced == len(forced.tokens)
+    assert state.valid_prefix(continued.tokens) == len(continued.tokens)  # the matcher left at the start
+    assert shown.startswith(engine.decode(continued.tokens))
+    plain = constrained(engine, prompt, schema, "baseline")
+    drafted = constrained(engine, prompt, schema, "lookup")
+    assert drafted.token_ids == plain.token_ids, (drafted.text, plain.text)
+
+
+def test_greedy_pick_under_masks_equals_the_masked_argmax():
+    """A verify pass's greedy pick from the raw argmax and mask bits (a row masked only where its
+    argmax is not allowed) equals the argmax of the masked logits: a drafted token that is the
+    raw argmax but outside the mask is rejected."""
+    logits = mx.array([[0, 5, 1, 0, 0, 0, 0, 0], [3, 0, 0, 9, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0]], dtype=mx.float32)
+    allowed = np.zeros((3, 8), dtype=bool)
+    allowed[0, [1, 2]] = allowed[1, [0, 2]] = allowed[2, :] = True
+    bits = np.stack([pack_bits(row, 1) for row in allowed])
+    for draft in ([1, 3], [1, 0], [2, 0], [3, 0], []):
+        assert accept_greedy_masked(logits, draft, bits, 8) == accept_greedy(masked(logits, allowed), draft)
+    assert accept_greedy_masked(logits, [1, 3], bits, 8) == (1, 0)
+    assert accept_greedy_masked(logits, [1, 0], bits, 8) == (2, 2)
 
 
 def test_every_constrained_reply_validates(engine):

@@ -151,8 +151,9 @@ def convert_tools(tools: Any) -> list[dict] | None:
             continue  # server tools (web search...) this server can't run
         if not isinstance(t["input_schema"], dict):
             raise bad_request(f"tools[{i}].input_schema: expected an object", param="tools")
+        strict = {"strict": True} if t.get("strict") is True else {}  # its calls kept to the schema (reply_grammar.py)
         out.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]}})
+            "name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"], **strict}})
     return out or None
 
 

@@ -87,8 +87,9 @@ def convert_tools(tools: Any) -> list[dict] | None:
         if t["type"] == "custom":
             out.append(custom_as_function(t))
             continue
+        strict = {"strict": True} if t.get("strict") is True else {}  # its calls kept to the schema (reply_grammar.py)
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                     "parameters": t.get("parameters") or {"type": "object"}}})
+                                                     "parameters": t.get("parameters") or {"type": "object"}, **strict}})
     return out or None
 
 

@@ -46,6 +46,7 @@ class ChatRequest:
     prompt_images: Any = None  # their engine form (engine.PromptImages), set while rendering
     # set while rendering:
     starts_thinking: bool = False  # the template opened a reasoning block in the generation prompt
+    may_think: bool = False  # the template lets the model open one (its grammar allows it: reply_grammar.py)
     forced_prefix: str = ""  # the forced call's opening, appended to the prompt
     mode: str | None = None  # decoding mode and draft cap for this request (None: the server's)
     max_draft: int | str | None = None
@@ -67,9 +68,11 @@ class ChatRequest:
             if self.forced_tool and self.forced_tool not in names:
                 raise bad_request(f"tool_choice: {self.forced_tool!r} is not among the tools given", param="tool_choice")
 
-    def generation_request(self, prompt_ids: list[int]) -> GenerationRequest:
+    def generation_request(self, prompt_ids: list[int], constraint: Constraint | None = None) -> GenerationRequest:
+        """The engine's request; `constraint` is the reply's grammar (reply_grammar.py), else the
+        response_format's alone."""
         return GenerationRequest(
-            constraint=constraint_for(self.response_format),
+            constraint=constraint or constraint_for(self.response_format),
             prompt_ids=prompt_ids,
             max_tokens=self.max_tokens,
             sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed),
@@ -198,6 +201,11 @@ def check_tool_schema(fn: dict, where: str) -> None:
         raise bad_request(f"{where}: the schema's type must be a string", param="tools")
     if not isinstance(schema.get("properties", {}), dict) or not isinstance(schema.get("required", []), list):
         raise bad_request(f"{where}: the schema's properties must be an object and required an array", param="tools")
+    if fn.get("strict") is True:  # its calls will keep to it (reply_grammar.py): it must compile
+        try:
+            Constraint.json_schema(schema)
+        except InvalidRequestError as e:
+            raise bad_request(f"{where} {fn.get('name')!r}: {e}", param="tools", code="invalid_json_schema") from None
 
 
 def _type_name(kinds: tuple) -> str:

@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
                         "batch cost surface; measured once per model, `doctor` prints it)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests past which new ones get 429/529 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--strict-tools", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep every tool call valid by construction: the call's markup and its arguments typed "
+                        "by the tool's schema, through the grammar (default: on for the hermes/qwen <tool_call> "
+                        "syntax; a tool marked strict by the client is kept to its schema either way)")
     add_max_edit_hunks(p)
     p.add_argument("--allow-switch", action="store_true",
                    help="a request naming another model on this machine loads it (else a 404)")
@@ -97,5 +101,5 @@ def run(args: argparse.Namespace) -> int:
               default_max_tokens=args.default_max_tokens, model_name=args.model_name, max_queue=args.max_queue,
               extra_routes=mcp_routes, lifespan=mcp_lifespan, models_dirs=args.models_dir,
               load_engine=load_engine, allow_switch=args.allow_switch, max_models=args.max_models,
-              engine_handle=handle, models_memory_mb=args.models_memory_mb)
+              engine_handle=handle, models_memory_mb=args.models_memory_mb, strict_tools=args.strict_tools)
     return 0

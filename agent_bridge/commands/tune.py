@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Engine(args.model, kv_bits=args.kv_bits, prefix_cache=False) as engine:
             cached = engine.call(lambda t: load_cost_curve(curve_key(t, args.kv_bits)))
+            dtype = engine.info()["dtype"]  # while the model is loaded: the report below comes after it closes
             curve = engine.call(lambda t: tune(t, args.kv_bits, refresh=args.refresh, **kwargs,
                                                on_progress=lambda what, i, n: progress(f"measuring {what} ({i}/{n})")))
             surface = engine.call(lambda t: tune_batch(
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     fresh = cached is None or args.refresh
     print(f"verify cost curve for {engine.model_path} ({'measured now' if fresh else 'cached'}, "
           f"{curve.measured_at}, {curve.measure_s:.0f}s to measure)")
-    print(f"device {curve.key.get('device')}, MLX {curve.key.get('mlx')}, dtype {engine.info()['dtype']}")
+    print(f"device {curve.key.get('device')}, MLX {curve.key.get('mlx')}, dtype {dtype}")
     widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= curve.widths[-1]]
     print("depth   " + "".join(f"{'w' + str(w):>8}" for w in widths) + "   best perfect-drafter speedup")
     for depth in curve.depths:

@@ -26,6 +26,7 @@ from engine import EngineError
 
 from agent_bridge.chat.chat_request import ChatRequest, check_context, force_call, render, resolve_media
 from agent_bridge.chat.http_errors import from_engine_error, overloaded
+from agent_bridge.chat.reply_grammar import reply_constraint
 from agent_bridge.chat.thinking_signature import ThinkingSigner
 from agent_bridge.chat.tool_stream import ReplyParser, Syntax, syntax_for
 from agent_bridge.chat.turn_replay import Turn, TurnMemory, render_replayed, reply_key
@@ -52,13 +53,16 @@ class Bridge:
     parked: dict = field(default_factory=dict)  # request key -> Generation whose client left, for a retry
     signer: ThinkingSigner = field(default_factory=ThinkingSigner)  # thinking blocks' signatures
     turns: TurnMemory = field(default_factory=TurnMemory)  # replies remembered for their echo
+    strict_tools: bool | None = False  # --strict-tools: every tool's calls valid by construction (None: known syntaxes)
 
     @classmethod
     def for_engine(cls, engine: Any, context_window: int | None, default_max_tokens: int,
-                   model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE) -> "Bridge":
+                   model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+                   strict_tools: bool | None = False) -> "Bridge":
         window = engine.context_window if context_window is None else min(context_window, engine.context_window)
         name = model_name or Path(str(engine.info().get("model", "local-model"))).name or "local-model"
-        return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer), max_queue)
+        return cls(engine, window, default_max_tokens, Metrics(), name, syntax_for(engine.tokenizer), max_queue,
+                   strict_tools=strict_tools)
 
     async def prompt_ids(self, req: ChatRequest, check: bool = True) -> list[int]:
         """Render the chat (tokenizing a 15k-token prompt takes a while: off the loop)."""
@@ -80,6 +84,7 @@ class Bridge:
         elif req.assistant_prefix:
             ids = ids + self.engine.encode(req.assistant_prefix)
         req.starts_thinking = self.starts_thinking(ids) and not req.assistant_prefix
+        req.may_think = self.may_think(ids) and not req.starts_thinking and not req.assistant_prefix
         if req.forced_tool is not None and req.parse_tools:
             ids = force_call(self.engine, self.syntax, req, ids)
         return ids
@@ -96,6 +101,18 @@ class Bridge:
             return False
         tail = self.engine.decode(prompt_ids[-8:]).rstrip()
         return tail.endswith(self.syntax.think_start)
+
+    def may_think(self, prompt_ids: list[int]) -> bool:
+        """Templates that know reasoning blocks but leave opening one to the model (Qwen3's
+        hybrid thinking); not when the prompt closed one already (thinking turned off)."""
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        if not self.syntax.think_start or not isinstance(template, str) or self.syntax.think_start not in template:
+            return False
+        return self.syntax.think_end not in self.engine.decode(prompt_ids[-8:])
+
+    def literal(self, text: str) -> str:
+        """A marker as the reply grammar spells it for this model's tokenizer."""
+        return self.engine.grammars.literal(text)
 
     def parser(self, req: ChatRequest, gen: Generation, id_prefix: str = "call_") -> ReplyParser:
         """The reply parser for this request: the model's syntax, the offered tools; the finished
@@ -116,7 +133,13 @@ class Bridge:
     async def generate(self, req: ChatRequest, prompt_ids: list[int], request: Request | None) -> Generation:
         """Submit (or take over the same request's parked job). A stream starts at once; a plain
         request waits for the engine to start on it, so an early error is still an HTTP error."""
-        gen_req = req.generation_request(prompt_ids)
+        try:  # the reply's grammar: reasoning free, then the response_format or strict tool calls (off the
+            # loop: a new set of tools takes ~100 ms to compile)
+            constraint = await anyio.to_thread.run_sync(reply_constraint, req, self.syntax, self.literal,
+                                                        self.strict_tools)
+        except EngineError as e:
+            raise from_engine_error(e) from None
+        gen_req = req.generation_request(prompt_ids, constraint)
         gen_req.max_tokens = self.clamp_max_tokens(req.max_tokens, len(prompt_ids))
         key = request_key(request, gen_req)
         gen = await self._take_over(key, request)

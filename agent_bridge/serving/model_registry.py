@@ -169,7 +169,8 @@ class ModelRegistry:
                 bridge = Bridge.for_engine(engine, self.context_window, first.default_max_tokens, name,
                                            first.max_queue)
                 # one set of server metrics; thinking signed by one model's replies verifies on the next
-                bridge = dataclasses.replace(bridge, metrics=first.metrics, signer=first.signer)
+                bridge = dataclasses.replace(bridge, metrics=first.metrics, signer=first.signer,
+                                             strict_tools=first.strict_tools)
                 self.loaded[name] = bridge
                 self._paths[name] = path
                 previous = self.current

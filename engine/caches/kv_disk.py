@@ -20,6 +20,9 @@ one restore all in flight together), each chunk's CRC checked as it lands. The t
 its restore rate (bytes/s) and is told the model's prefill rate (tokens/s); both are kept in
 rates.json beside the files, so the first request after a start can choose without measuring:
 a file is read only where reading it is faster than computing its tokens (`worth_reading`).
+The restore rate is a moving estimate (each restore's own rate blended in), and one that says
+"compute" is re-probed (a file's first PROBE_BYTES read on a background thread, at most once per
+REPROBE_S and once a start): a disk that was loaded when it was timed is not trusted forever.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 RATES_FILE = "rates.json"
 MIN_RATE_SAMPLE_BYTES = 1 << 20  # smaller restores time the per-file overhead, not the disk
 RATE_WEIGHT = 0.5  # of a new measurement against the kept rate
+REPROBE_S = 300.0  # a declining restore rate is timed again at most this often
+PROBE_BYTES = 32 << 20  # what a re-probe reads of one file
 # what each safetensors dtype is read into (bfloat16 as its bits: numpy has no bfloat16)
 _MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.uint16, "I32": mx.int32, "U32": mx.uint32,
               "I64": mx.int64, "U64": mx.uint64, "I16": mx.int16, "U16": mx.uint16, "I8": mx.int8,
@@ -216,6 +221,9 @@ class DiskTier:
         self.restore_bytes_per_s, self.prefill_tokens_per_s = self._read_rates()
         self.restored_bytes, self.restore_seconds = 0, 0.0  # this process's restores
         self.declined_files = self.declined_tokens = 0  # faster computed than read
+        self.probes = 0  # re-probes of a restore rate that said "compute"
+        self._probe: threading.Thread | None = None
+        self._probed_at: float | None = None  # monotonic; None: not in this process yet
         self._scan()
         self.writer = DiskWriter(self.dir, SUFFIX)
 
@@ -241,26 +249,79 @@ class DiskTier:
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """The engine's measured prefill of `tokens` tokens (what a restore must beat)."""
         if tokens > 0 and seconds > 0:
-            self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, tokens / seconds)
-            self._save_rates()
+            with self.lock:  # a probe's thread saves the rates too
+                self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, tokens / seconds)
+                self._save_rates()
 
     def _note_restore(self, nbytes: int, seconds: float) -> None:
         self.restored_bytes += nbytes
         self.restore_seconds += seconds
-        if nbytes >= MIN_RATE_SAMPLE_BYTES and seconds > 0:
-            self.restore_bytes_per_s = self._blend(self.restore_bytes_per_s, nbytes / seconds)
-            self._save_rates()
+        self._note_read_rate(nbytes, seconds)
 
-    def worth_reading(self, nbytes: int, tokens: int) -> bool:
-        """Is reading `nbytes` faster than computing `tokens`? Yes while either rate is unknown
-        (a restore measures the disk; on most machines reading wins by far)."""
+    def _note_read_rate(self, nbytes: int, seconds: float) -> None:
+        """A restore's (or a probe's) bytes read in seconds, blended into the kept rate."""
+        if nbytes >= MIN_RATE_SAMPLE_BYTES and seconds > 0:
+            with self.lock:  # a probe's thread and the engine thread
+                self.restore_bytes_per_s = self._blend(self.restore_bytes_per_s, nbytes / seconds)
+                self._save_rates()
+
+    def worth_reading(self, e: DiskEntry, tokens: int) -> bool:
+        """Is reading file `e` faster than computing its `tokens`? Yes while either rate is unknown
+        (a restore measures the disk; on most machines reading wins by far). A "no" sends the disk
+        to be timed again in the background (`_probe_later`): the next request knows."""
         if self.restore_bytes_per_s is None or self.prefill_tokens_per_s is None:
             return True
-        if nbytes / self.restore_bytes_per_s <= tokens / self.prefill_tokens_per_s:
+        if e.size / self.restore_bytes_per_s <= tokens / self.prefill_tokens_per_s:
             return True
         self.declined_files += 1
         self.declined_tokens += tokens
+        self._probe_later(e)
         return False
+
+    def _probe_later(self, e: DiskEntry) -> None:
+        now = time.monotonic()
+        if self._probe is not None and self._probe.is_alive():
+            return
+        if self._probed_at is not None and now - self._probed_at < REPROBE_S:
+            return
+        self._probed_at = now
+        self.probes += 1
+        self._probe = threading.Thread(target=self._time_read, args=(e.path,), name="mlx-dspark-kv-probe",
+                                       daemon=True)
+        self._probe.start()
+
+    def _time_read(self, path: Path) -> None:
+        """Read the first PROBE_BYTES of a file as a restore reads (the tier's reader, chunks on the
+        reading threads, CRCs), and blend the rate in (on the probe's own thread)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return  # gone (the cap, a clear): the next decline probes another
+        try:
+            size = min(os.fstat(fd).st_size, PROBE_BYTES)
+            view = memoryview(bytearray(size))
+            t0 = time.perf_counter()
+            pool = self._reading_pool()
+            chunks = [pool.submit(self._read_chunk, fd, [(at, view[at : at + DIGEST_CHUNK], False)])
+                      for at in range(0, size, DIGEST_CHUNK)]
+            for c in chunks:
+                c.result()
+            self._note_read_rate(size, time.perf_counter() - t0)
+        except (OSError, ValueError) as err:  # truncated under us: a restore would skip it
+            log.debug("prefix cache: re-probe of %s failed (%s)", path, err)
+        finally:
+            os.close(fd)
+
+    def wait_probe(self, timeout: float | None = None) -> None:
+        """Wait for a re-probe under way (tests; close)."""
+        if self._probe is not None:
+            self._probe.join(timeout)
+
+    def _reading_pool(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlx-dspark-kv-reader")
+            return self._pool
 
     # -- index ----------------------------------------------------------------------
 
@@ -393,9 +454,8 @@ class DiskTier:
             os.close(fd)
             self.skip(e, f"unreadable header ({err})")
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlx-dspark-kv-reader")
-        chunks = [self._pool.submit(self._read_chunk, fd, pieces) for pieces in _chunk_pieces(runs, size)]
+        pool = self._reading_pool()
+        chunks = [pool.submit(self._read_chunk, fd, pieces) for pieces in _chunk_pieces(runs, size)]
         return PendingRead(e, fd, header, arrays, chunks, size)
 
     def _read_chunk(self, fd: int, pieces: list) -> int:
@@ -554,6 +614,7 @@ class DiskTier:
         return self.writer.flush(timeout)
 
     def close(self, timeout: float | None = 60.0) -> bool:
+        self.wait_probe(timeout)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -10,7 +10,8 @@ mid-conversation resumes from the nearest checkpoint before the divergence. With
 tier (kv_disk.py), segments and checkpoints are written by a background writer as they
 are made (a prompt's at its prefill's end), and read back lazily after a restart: a matching
 chain of files is planned from their token headers, each file kept only while reading it is
-faster than computing its tokens (measured rates), and the chosen ones read together. The last request's own cache stays live:
+faster than computing its tokens (measured rates, re-probed where they say compute), and
+the chosen ones read together. The last request's own cache stays live:
 the next turn that extends it continues it in place instead of assembling a copy from
 segments.
 
@@ -46,6 +47,7 @@ from engine.caches.kv_segments import (
     cache_offset,
     check_segment,
     cut_segment,
+    kv_group_size,
     segment_nbytes,
     segment_layers,
     segment_signature,
@@ -91,13 +93,15 @@ def default_max_disk_bytes(path: str | os.PathLike) -> int:
 
 
 def cache_identity(target, kv_bits: int | None) -> str:
-    """Target.identity plus what it leaves out: the weights (revision and digests), KV bits,
-    the MLX and mlx-lm versions. KV computed with other weights must never be reused, also
-    from the disk tier across restarts (a hub model re-uploaded with the same config)."""
+    """Target.identity plus what it leaves out: the weights (revision and digests), the KV format
+    (quantised KV's bits and group: its segments are kept, and written, in that form), the MLX
+    and mlx-lm versions. KV computed with other weights must never be reused, also from the
+    disk tier across restarts (a hub model re-uploaded with the same config)."""
     import mlx_lm
 
+    kv_format = {"kv_bits": kv_bits, **({"kv_group": kv_group_size(target.config)} if kv_bits else {})}
     blob = json.dumps(
-        {"target": target.identity, **weights_fingerprint(target.path), "kv_bits": kv_bits,
+        {"target": target.identity, **weights_fingerprint(target.path), **kv_format,
          "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "v": 3},  # 3: chunked CRC digests
         sort_keys=True,
     )
@@ -252,6 +256,7 @@ class PrefixCache:
             "disk_restored_bytes": d.restored_bytes if d else 0,
             "disk_restore_s": round(d.restore_seconds, 3) if d else 0.0,
             "disk_declined_tokens": d.declined_tokens if d else 0,
+            "disk_reprobes": d.probes if d else 0,
         }
 
     @_locked
@@ -334,7 +339,7 @@ class PrefixCache:
             if found is None or pos + found[1] <= reach:
                 break
             entry, k = found
-            if not self.disk.worth_reading(entry.size, k):
+            if not self.disk.worth_reading(entry, k):
                 break
             plan.append(found)
             pos = reach = pos + k

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from engine.base.errors import InvalidRequestError
 
@@ -31,6 +31,14 @@ from engine.base.errors import InvalidRequestError
 # JSON as json.dumps writes it: no free whitespace (a small model pads with it forever) and the
 # separators fixed, so the grammar forces them (drafted for free)
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_executor: LLExecutor | None = None  # llguidance's batch masker (a verify pass's masks in one call)
+
+
+def llg_executor() -> LLExecutor:
+    global _executor
+    if _executor is None:
+        _executor = LLExecutor(num_threads=1)
+    return _executor
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,25 @@ class Constraint:
         """Any JSON value (OpenAI's json_object, Ollama's "json")."""
         return cls(LLMatcher.grammar_from_json_schema("{}", defaults=JSON_STYLE), "json")
 
+    @classmethod
+    def lark(cls, text: str, what: str) -> "Constraint":
+        """A grammar in llguidance's Lark syntax (free text, markers, `%json` parts: `schema_lark`);
+        one that doesn't parse raises InvalidRequestError. Special tokens (`literal`) are checked
+        against the model's tokenizer when the engine takes the request (`Grammars.check`)."""
+        try:
+            return cls(LLMatcher.grammar_from_lark(text), what)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(f"the {what} grammar can't be compiled: {e}") from None
+
+    @staticmethod
+    def schema_lark(schema: dict | bool) -> str:
+        """A JSON schema as a Lark expression (`%json {...}`), in JSON_STYLE; a schema llguidance
+        can't compile raises InvalidRequestError, as `json_schema` does."""
+        Constraint.json_schema(schema)
+        body = schema if isinstance(schema, dict) else {} if schema else {"not": {}}
+        style = {**JSON_STYLE, **body.get("x-guidance", {})}  # as `defaults`: the schema's own options win
+        return "%json " + json.dumps({**body, "x-guidance": style})
+
 
 class Grammars:
     """Compiles constraints over one model's tokenizer (its llguidance form built once, on first use)."""
@@ -72,6 +99,14 @@ class Grammars:
             if self._tokenizer is None:
                 self._tokenizer = llg_tokenizer(self._hf, self.vocab_size, self.eos_ids)
             return self._tokenizer
+
+    def literal(self, text: str) -> str:
+        """`text` as a Lark term for this tokenizer: a special token by its id (`<[7]>`: its
+        bytes never match a string literal), else a string literal."""
+        ids = self.tokenizer.tokenize_str(text)
+        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
     def check(self, constraint: Constraint) -> None:
         problem = LLMatcher.validate_grammar(constraint.grammar, self.tokenizer)
@@ -104,6 +139,7 @@ class GrammarState:
         self.eos_only[[e for e in eos_ids if e < vocab_size]] = True
         self.eos_ids = {e for e in eos_ids if e < vocab_size}
         self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self._eos_bits = pack_bits(self.eos_only, self._words.size)
         # per token advanced: whether the matcher holds it (an end after a complete grammar it doesn't)
         self.held: list[bool] = []
         self.mask_calls = 0
@@ -130,6 +166,20 @@ class GrammarState:
             self.advance([tok])
         rows.append(self.allowed())
         return np.stack(rows)
+
+    def bitmasks_along(self, draft: list[int]) -> np.ndarray:
+        """`masks_along` as llguidance's bits, (len(draft) + 1, words) int32, in one call that drops
+        the GIL; the matcher is left where it was. A row past the grammar's end allows only EOS."""
+        bits = np.zeros((len(draft) + 1, self._words.size), dtype=np.int32)
+        if not draft:  # llguidance's draft call wants a draft
+            if not self.matcher.is_stopped():
+                self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        else:
+            llg_executor().unsafe_compute_mask_ptr_with_draft_token(
+                [(self.matcher, 0, [int(t) for t in draft])], bits.ctypes.data, self._words.nbytes, len(bits))
+        self.mask_calls += len(bits)
+        bits[~bits.any(axis=1)] = self._eos_bits  # llguidance leaves the rows after a stop empty
+        return bits
 
     def advance(self, tokens: list[int]) -> None:
         for tok in tokens:
@@ -161,12 +211,16 @@ class GrammarState:
             return []
         return self.matcher.compute_ff_tokens()[:limit]
 
-    def shape_draft(self, draft: list[int], q: np.ndarray | None, limit: int, deterministic: bool) -> "ShapedDraft":
+    def shape_draft(self, draft: list[int], q: np.ndarray | None, limit: int, deterministic: bool,
+                    continue_after: Callable[[list[int], int], list[int]] | None = None) -> "ShapedDraft":
         """The draft to verify: forced tokens first (then the drafter's own continuation of them,
         where its draft is deterministic and starts with them), cut where it breaks the grammar,
-        then the forced tokens that follow what is left. `q` (the drafter's distributions) gets
-        one-hot rows for forced tokens; a cut token `q` drew is kept as `cut`, to be rejected at
-        its position (the residual p - q, not p, is what keeps speculative sampling exact)."""
+        then the forced tokens that follow what is left; after a forced run, the drafter's
+        deterministic continuation from there (`continue_after(tokens, n)`: lookup's match at the
+        new end), as far as the grammar allows, then forced tokens again, and so on. `q` (the
+        drafter's distributions) gets one-hot rows for forced and continued tokens; a cut token `q`
+        drew is kept as `cut`, to be rejected at its position (the residual p - q, not p, is what
+        keeps speculative sampling exact)."""
         forced = self.forced(limit)
         if forced:
             mine = draft[len(forced):] if deterministic and draft[: len(forced)] == forced else []
@@ -180,10 +234,21 @@ class GrammarState:
         tokens, rows = tokens[:valid], rows[:valid]
         n_forced = min(len(forced), valid)
         if cut is None and len(tokens) < limit:  # the grammar may force what follows the drafter's tokens
+            ends_forced = 0 < n_forced == len(tokens)
             self.advance(tokens)
-            more = self.forced(limit - len(tokens))
+            while len(tokens) < limit:
+                more = self.forced(limit - len(tokens))
+                self.advance(more)
+                tokens, rows, n_forced = tokens + more, rows + [None] * len(more), n_forced + len(more)
+                if not (more or ends_forced) or continue_after is None or len(tokens) >= limit:
+                    break
+                extra = continue_after(tokens, limit - len(tokens))[: limit - len(tokens)]
+                extra = extra[: self.valid_prefix(extra)]
+                if not extra:
+                    break
+                self.advance(extra)
+                tokens, rows, ends_forced = tokens + extra, rows + [None] * len(extra), False
             self.rollback(len(tokens))
-            tokens, rows, n_forced = tokens + more, rows + [None] * len(more), n_forced + len(more)
         if q is None or all(r is None for r in rows + [cut_row]):
             return ShapedDraft(tokens, None, None, n_forced)
         q_rows = [q[r] if r is not None else one_hot(t, q.shape[1]) for t, r in zip(tokens, rows)]
@@ -203,6 +268,23 @@ def one_hot(token: int, vocab: int) -> np.ndarray:
     row = np.zeros(vocab)
     row[token] = 1.0
     return row
+
+
+def pack_bits(allowed: np.ndarray, words: int) -> np.ndarray:
+    """A bool per vocabulary id as llguidance's mask words (int32, bit i of word i // 32)."""
+    padded = np.zeros(words * 32, dtype=bool)
+    padded[: allowed.shape[-1]] = allowed
+    return np.packbits(padded, bitorder="little").view(np.int32)
+
+
+def unpack_bits(bits: np.ndarray, vocab: int) -> np.ndarray:
+    """llguidance's mask words, (rows, words), as a bool per vocabulary id, (rows, vocab)."""
+    return np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[..., :vocab].astype(bool)
+
+
+def bit_set(row: np.ndarray, token: int, vocab: int) -> bool:
+    """Whether one position's mask words allow `token` (ids past the vocabulary never)."""
+    return token < vocab and (int(row[token >> 5]) >> (token & 31)) & 1 == 1
 
 
 def masked(logits: mx.array, allowed: np.ndarray) -> mx.array:

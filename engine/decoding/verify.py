@@ -23,7 +23,7 @@ from engine.base.sampling import SamplingParams, accept_greedy, accept_speculati
 from engine.caches.rollback import DEFAULT_ROLLBACK, mark, needs_replay, supports_drafts, take_back
 from engine.caches.state_capture import fits
 from engine.decoding.batch_verify import Forward
-from engine.decoding.grammar import GrammarState, masked
+from engine.decoding.grammar import GrammarState, bit_set, masked, unpack_bits
 from engine.drafting.drafter import Draft, Drafter
 from engine.kernels import cpu_attention
 from engine.kernels.attention_crossover import unread_last_call
@@ -130,7 +130,8 @@ def speculative_rounds(
         cut, forced = None, 0
         if grammar is not None:
             shaped = grammar.shape_draft(draft_tokens, q, hard if drafting else 0,
-                                         deterministic=q is None or sampling.greedy)
+                                         deterministic=q is None or sampling.greedy,
+                                         continue_after=drafter.continue_after)
             draft_tokens, q, cut, forced = shaped.tokens, shaped.q, shaped.cut, shaped.forced
         inputs = [y, *draft_tokens]
         before = mark(cache) if draft_tokens else None
@@ -141,17 +142,21 @@ def speculative_rounds(
         else:
             fwd.run(target)
         logits, hidden = fwd.result
-        if grammar is not None:  # masks after the forward is issued: MLX is lazy, the CPU work may overlap it
-            logits = masked(logits, grammar.masks_along(draft_tokens))
-        if sampling.greedy:
-            picks = fwd.picks() if fwd.picks and grammar is None else None
+        if grammar is not None:  # the forward computes on MLX's thread while llguidance makes the masks
+            mx.async_eval(logits)
+            bits = grammar.bitmasks_along(draft_tokens)
+        picks = fwd.picks() if fwd.picks and sampling.greedy else None
+        if grammar is not None and sampling.greedy:
+            n, nxt = accept_greedy_masked(logits, draft_tokens, bits, grammar.vocab_size, picks)
+        elif sampling.greedy:
             n, nxt = accept_greedy(logits, draft_tokens, picks)
         else:
+            if grammar is not None:
+                logits = masked(logits, unpack_bits(bits, grammar.vocab_size))
             proposed = draft_tokens + ([cut] if cut is not None else [])  # a cut token: certainly rejected
             n, nxt = accept_speculative(target_probs(logits, sampling), proposed, q, rng)
         if grammar is not None:
-            grammar.rollback(len(draft_tokens) - n)
-            grammar.advance([nxt])
+            grammar.advance([*draft_tokens[:n], nxt])
         if draft_tokens:
             take_back(cache, before, len(inputs), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache),
                       captured=fwd.captured)
@@ -167,3 +172,22 @@ def speculative_rounds(
                           captured=captured)
         source = ("grammar" if forced == len(draft_tokens) else (draft.source or drafter.name)) if draft_tokens else ""
         yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source)
+
+
+def accept_greedy_masked(logits: mx.array, draft: list[int], bits, vocab: int,
+                         picks: list[int] | None = None) -> tuple[int, int]:
+    """`accept_greedy` under a grammar's masks (`bits`: llguidance's words, a row per position):
+    the target's own argmax where the mask allows it (it is then the masked argmax too), else
+    the first argmax over the allowed tokens, found for that position only."""
+    preds = picks if picks is not None else mx.argmax(logits, axis=-1).tolist()
+    values = None  # the logits in numpy, taken once where a position needs its mask
+    i = 0
+    while True:
+        pick = preds[i]
+        if not bit_set(bits[i], pick, vocab):
+            values = np.asarray(logits.astype(mx.float32)) if values is None else values
+            ids = np.flatnonzero(unpack_bits(bits[i], vocab))  # never empty: a row allows EOS at least
+            pick = int(ids[np.argmax(values[i, ids])])
+        if i == len(draft) or pick != draft[i]:
+            return i, pick
+        i += 1

@@ -46,6 +46,11 @@ class Drafter:
         """At most max_len tokens; only a `verbatim` draft may be longer (the loop bounds it)."""
         return Draft([])
 
+    def continue_after(self, tokens: list[int], max_len: int) -> list[int]:
+        """A deterministic continuation of the context plus `tokens` (a grammar's forced tokens,
+        not committed), at most max_len; none by default (lookup has one)."""
+        return []
+
     def plan(self, max_len: int):
         """`propose`, or a part left for the caller to run batched with other sequences' (a
         head's `HeadCall`, engine/drafting/heads/drafter.py); the drafter's `take(part)` then gives the Draft."""

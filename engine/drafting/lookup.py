@@ -173,18 +173,29 @@ class LookupDrafter(Drafter):
         `max_len` and, when `gated`, the gate."""
         if max_len <= 0 or len(self.context) < 2:
             return Draft([])
-        suffix = self.context.tokens[-MAX_MATCH:]
+        return Draft(self._follow(self.context.tokens[-MAX_MATCH:], max_len, gated, len(self.context) - 1))
+
+    def continue_after(self, tokens: list[int], max_len: int) -> list[int]:
+        """What the best match drafts after the context plus `tokens` (not committed: a draft's
+        forced tokens, engine/decoding/grammar.py), gated as `propose` is."""
+        if max_len <= 0 or not tokens:
+            return []
+        return self._follow((self.context.tokens[-MAX_MATCH:] + list(tokens))[-MAX_MATCH:], max_len, True, None)
+
+    def _follow(self, suffix: list[int], max_len: int, gated: bool, context_end: int | None) -> list[int]:
+        """The continuation of `suffix`'s best match in the context and corpus (`context_end`:
+        the suffix's own place in the context, never its match)."""
         best, source = (0, 0, -1), None
         for index in [self.context, *self.corpus]:
-            exclude = len(self.context) - 1 if index is self.context else None
+            exclude = context_end if index is self.context else None
             found = index.best_match(suffix, exclude_end=exclude)
             if found[:2] > best[:2]:
                 best, source = found, index
         usable, _, end = best
         n = min(usable, max_len, self.limit if gated else max_len)
         if n <= 0 or source is None:
-            return Draft([])
-        return Draft(source.tokens[end + 1 : end + 1 + n])
+            return []
+        return source.tokens[end + 1 : end + 1 + n]
 
     def commit(self, tokens: list[int], drafted: int, accepted: int, hidden=None) -> None:
         self.context.extend(tokens)

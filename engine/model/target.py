@@ -23,7 +23,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from engine.base.errors import ModelLoadError
 from engine.base.platform import physical_memory_bytes
 from engine.caches.rollback import supports_drafts
-from engine.kernels import cpu_swiglu, gated_delta_chunked
+from engine.kernels import cpu_swiglu, gated_delta_chunked, gpu_attention
 from engine.kernels.attention_crossover import install_for
 from engine.model.config import dtype_name
 from engine.model.vision import ImageFeatures, position_view
@@ -220,6 +220,7 @@ _LAYER_MASKS = {
     "llama": _llama_masks,
     "qwen2": _same_mask(),
     "qwen3": _same_mask(),
+    "qwen3_moe": _same_mask(),
     "gemma": _same_mask(),
     "gemma2": _same_mask(return_array=True),
     "gemma3_text": _gemma3_masks,
@@ -232,6 +233,7 @@ _EMBED_SCALE = {
     "llama": lambda d: None,
     "qwen2": lambda d: None,
     "qwen3": lambda d: None,
+    "qwen3_moe": lambda d: None,
     "gemma": lambda d: d**0.5,
     "gemma2": lambda d: d**0.5,
     "gemma3_text": lambda d: mx.array(d**0.5, mx.bfloat16),
@@ -278,6 +280,7 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
     if install_for(target) is not None:  # long prefill chunks on CPU: blockwise attention (engine/kernels/cpu_attention.py)
         cpu_swiglu.install_for(target)  # and the MLP's activation in a compiled kernel (engine/kernels/cpu_swiglu.py)
     gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)
+    gpu_attention.install()  # MLX CUDA: verify forwards' attention without a cuDNN graph per shape
     return target
 
 

@@ -227,13 +227,17 @@ class ImageFeatures:
         mx.eval([a for a in (self.embeds, self.positions, self.deepstack, self.per_layer) if a is not None])
 
 
-def prefill_chunks(total: int, size: int, features: ImageFeatures | None = None) -> list[tuple[int, int]]:
-    """[start, stop) of each prefill chunk of `total` tokens: `size` each, except that a chunk
-    which would end inside an image that must be read whole ends after it instead."""
+def prefill_chunks(total: int, size: int, features: ImageFeatures | None = None, depth: int = 0) -> list[tuple[int, int]]:
+    """[start, stop) of each prefill chunk of `total` tokens that follow `depth` cached ones:
+    `size` each, ending at multiples of `size` in the whole context (the first one shorter where
+    the cached prefix isn't one), except that a chunk which would end inside an image that must be
+    read whole ends after it instead. Aligned chunks give every prompt the same (chunk, keys)
+    attention shapes, which a GPU backend that builds a kernel plan per shape (MLX CUDA's cuDNN)
+    builds once, not once per prompt."""
     whole = features.whole_images() if features is not None else []
     chunks, start = [], 0
     while start < total:
-        stop = min(start + size, total)
+        stop = min(start + size - (depth + start) % size, total)
         stop = max([stop, *(min(end, total) for first, end in whole if first < stop < end)])
         chunks.append((start, stop))
         start = stop

@@ -1,0 +1,83 @@
+"""The verify-width attention for MLX CUDA (engine/kernels/gpu_attention.py), checked on any
+device against MLX's own kernel: the same softmax(q k^T * scale + mask) v for grouped heads,
+the causal mask, a batched verify's per-row boolean mask and an additive one. And the prefill
+chunks that end at multiples of the chunk size (engine/model/vision.py), so shapes repeat."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.kernels import gpu_attention
+from engine.model.vision import prefill_chunks
+
+
+def qkv(B, H, Hk, L, S, D=16, seed=0):
+    rng = np.random.default_rng(seed)
+    make = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    return make(B, H, L, D), make(B, Hk, S, D), make(B, Hk, S, D)
+
+
+@pytest.mark.parametrize("H,Hk", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_equals_mlx_attention(H, Hk, mask):
+    q, k, v = qkv(2, H, Hk, L=7, S=40)
+    ours = gpu_attention.attention(q, k, v, 0.25, mask)
+    mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    np.testing.assert_allclose(np.array(ours), np.array(mlx), rtol=1e-5, atol=1e-6)
+
+
+def test_causal_mask_hides_later_keys():
+    q, k, v = qkv(1, 2, 2, L=3, S=10)
+    out = gpu_attention.attention(q, k, v, 0.5, "causal")
+    v2 = mx.concatenate([v[:, :, :8], v[:, :, 8:] + 100.0], axis=2)  # keys only the last query sees
+    out2 = gpu_attention.attention(q, k, v2, 0.5, "causal")
+    np.testing.assert_allclose(np.array(out[:, :, :1]), np.array(out2[:, :, :1]), rtol=1e-6)
+    assert not np.allclose(np.array(out[:, :, 2]), np.array(out2[:, :, 2]))
+
+
+def test_batched_rows_boolean_and_additive_masks():
+    """Rows at their own depths (a batched verify forward's mask), per head and shared."""
+    B, H, Hk, L, S = 3, 6, 2, 5, 30
+    q, k, v = qkv(B, H, Hk, L, S, seed=1)
+    offsets = np.array([25, 10, 3])  # first query's position per row
+    see = np.arange(S)[None, None, :] <= offsets[:, None, None] + np.arange(L)[None, :, None]
+    boolean = mx.array(see[:, None])  # (B, 1, L, S)
+    additive = mx.array(np.where(see, 0.0, -np.inf).astype(np.float32)[:, None])
+    per_head = mx.broadcast_to(boolean, (B, H, L, S))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=additive)
+    for mask in (boolean, additive, per_head):
+        got = gpu_attention.attention(q, k, v, 0.3, mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+def test_takes_verify_widths_in_half_precision_only():
+    def takes(L, dtype=mx.bfloat16, mask=None, H=8, Hk=2):
+        q = mx.zeros((1, H, L, 64), dtype=dtype)
+        k = mx.zeros((1, Hk, 100, 64), dtype=dtype)
+        return gpu_attention.takes(q, k, mask, None)
+
+    assert takes(4) and takes(gpu_attention.MAX_WIDTH) and takes(17, mx.float16)
+    assert takes(2, mask=mx.ones((2, 100), dtype=mx.bool_))  # a batched row: cuDNN takes array masks
+    assert not takes(1) and not takes(3)  # MLX's vector kernel: no graph to build
+    assert not takes(gpu_attention.MAX_WIDTH + 1)  # a prefill chunk: cuDNN, its shapes repeat
+    assert not takes(8, mx.float32)  # cuDNN never takes float32
+    q = mx.zeros((1, 8, 8, 64), dtype=mx.bfloat16)
+    assert not gpu_attention.takes(q, mx.zeros((1, 2, 9, 64), dtype=mx.bfloat16), None, mx.zeros((8,)))  # sinks
+
+
+def test_not_installed_off_cuda():
+    if gpu_attention.wanted():
+        pytest.skip("this machine runs MLX CUDA")
+    assert gpu_attention.install() is False
+    assert mx.fast.scaled_dot_product_attention is not gpu_attention._routed
+
+
+@pytest.mark.parametrize("depth", [0, 5, 8, 13])
+def test_prefill_chunks_end_at_multiples_of_the_size(depth):
+    chunks = prefill_chunks(30, 8, depth=depth)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 30
+    assert all(a == b for (_, a), (b, _) in zip(chunks, chunks[1:]))  # contiguous
+    assert all((depth + stop) % 8 == 0 for _, stop in chunks[:-1])
+    assert all(0 < stop - start <= 8 for start, stop in chunks)
