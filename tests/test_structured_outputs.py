@@ -234,3 +234,18 @@ def test_batched_verify_keeps_the_constraint(engine):
         assert batched.batched_rounds > 0
     finally:
         batched.close()
+
+
+def test_a_retry_with_another_shape_is_another_request():
+    """A client's retry takes over its earlier job only when it asks for the same reply: the
+    same prompt held to another schema (or to none) has another key."""
+    from agent_bridge.serving.bridge import request_key
+
+    ids = [1, 2, 3]
+    free = GenerationRequest(ids, max_tokens=8)
+    as_int = GenerationRequest(ids, max_tokens=8, constraint=Constraint.json_schema({"type": "integer"}))
+    as_str = GenerationRequest(ids, max_tokens=8, constraint=Constraint.json_schema({"type": "string"}))
+    keys = {request_key(None, r) for r in (free, as_int, as_str)}
+    assert len(keys) == 3
+    assert request_key(None, as_int) == request_key(None, GenerationRequest(
+        ids, max_tokens=8, constraint=Constraint.json_schema({"type": "integer"})))

@@ -203,10 +203,11 @@ class Bridge:
 
 
 def request_key(request: Request | None, gen_req: Any) -> str:
-    """The same request sent again has the same key (route, rendered prompt, sampling, limits)."""
+    """The same request sent again has the same key (route, rendered prompt, sampling, limits, grammar)."""
     h = hashlib.sha256()
     h.update((request.url.path if request is not None else "").encode())
     images = gen_req.images.hashes if gen_req.images is not None else None  # the same text with another image differs
+    grammar = gen_req.constraint.grammar if gen_req.constraint is not None else None  # held to another shape: differs
     h.update(json.dumps([gen_req.prompt_ids, gen_req.max_tokens, repr(gen_req.sampling), gen_req.stop,
-                         gen_req.mode, gen_req.max_draft, images]).encode())
+                         gen_req.mode, gen_req.max_draft, images, grammar]).encode())
     return h.hexdigest()
