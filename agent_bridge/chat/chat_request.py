@@ -68,11 +68,11 @@ class ChatRequest:
             if self.forced_tool and self.forced_tool not in names:
                 raise bad_request(f"tool_choice: {self.forced_tool!r} is not among the tools given", param="tool_choice")
 
-    def generation_request(self, prompt_ids: list[int], constraint: Constraint | None = None) -> GenerationRequest:
-        """The engine's request; `constraint` is the reply's grammar (reply_grammar.py), else the
-        response_format's alone."""
+    def generation_request(self, prompt_ids: list[int], constraint: Constraint | None) -> GenerationRequest:
+        """The engine's request; `constraint` is the reply's grammar (reply_grammar.py: the
+        response_format, strict tool calls, free reasoning), None for a free reply."""
         return GenerationRequest(
-            constraint=constraint or constraint_for(self.response_format),
+            constraint=constraint,
             prompt_ids=prompt_ids,
             max_tokens=self.max_tokens,
             sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed),

@@ -157,19 +157,10 @@ class GrammarState:
         self.mask_calls += 1
         return np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
 
-    def masks_along(self, draft: list[int]) -> np.ndarray:
-        """The allowed sets at each position of a verify pass over `draft`, (len(draft) + 1, vocab);
-        leaves the matcher past the whole draft (which must be valid: `shape_draft` cuts it)."""
-        rows = []
-        for tok in draft:
-            rows.append(self.allowed())
-            self.advance([tok])
-        rows.append(self.allowed())
-        return np.stack(rows)
-
     def bitmasks_along(self, draft: list[int]) -> np.ndarray:
-        """`masks_along` as llguidance's bits, (len(draft) + 1, words) int32, in one call that drops
-        the GIL; the matcher is left where it was. A row past the grammar's end allows only EOS."""
+        """The allowed sets at each position of a verify pass over `draft` (valid: `shape_draft`
+        cuts it) as llguidance's bits, (len(draft) + 1, words) int32, in one call that drops the
+        GIL; the matcher is left where it was. A row past the grammar's end allows only EOS."""
         bits = np.zeros((len(draft) + 1, self._words.size), dtype=np.int32)
         if not draft:  # llguidance's draft call wants a draft
             if not self.matcher.is_stopped():
