@@ -10,7 +10,7 @@ The one door for the server, MCP tools and benchmark:
 """
 
 from engine.base.bundled import REFERENCE_MODEL_DIR, default_model_path
-from engine.base.errors import CancelledError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.base.errors import CancelledError, EngineDownError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.base.events import Done, PrefillProgress, Stats, Tokens
 from engine.base.files import cache_dir
 from engine.base.measurements import forget_measurements
@@ -62,6 +62,7 @@ __all__ = [
     "slow_blas_warning",
     "physical_memory_bytes",
     "CancelledError",
+    "EngineDownError",
     "DEFAULT_MAX_DRAFT",
     "Done",
     "Draft",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from engine.base.loop_guard import LoopGuard
 from engine.caches.kv_segments import KV_BITS
+from engine.model.split import SPLITS
 
 DEFAULT_MAX_DRAFT = "auto"  # per round, from the measured verify cost curve (engine/tuning/draft_control.py)
 
@@ -36,6 +37,9 @@ class EngineConfig:
     # (engine/base/loop_guard.py), as `length`; 0 (the library's default) never does
     loop_guard: int = 0
     max_batch: int | str = 1  # jobs run at once, or "auto": from this machine's batch cost surface
+    # under a launcher (mlx.launch), how the model is split over its ranks: "pipeline" or
+    # "tensor" (engine/model/split.py); None: mlx-lm's pick. Ignored on one process.
+    split: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bits not in (None, *KV_BITS):
@@ -44,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be a whole number >= 1 or None (measured), not {self.prefill_chunk!r}")
         if self.loop_guard:
             LoopGuard(self.loop_guard)  # a window too small to hold a loop fails here, not per request
+        if self.split not in (None, *SPLITS):
+            raise ValueError(f"split must be one of {SPLITS} or None, not {self.split!r}")
         if self.max_batch != "auto" and not _whole(self.max_batch, 1):
             raise ValueError(f"max_batch must be a whole number >= 1 or 'auto', not {self.max_batch!r}")

@@ -18,18 +18,26 @@ order: `_begin` (the request's settings for this model), `_take_cache` (the pref
 `_make_drafter`, `_image_embeddings`, `_prefill` (a chunk a step), `_start_decoding`,
 `_decode` (a round a step, `_commit` each round's tokens) and `_finish` (the prefix cache
 takes its cache back). The request was checked once, when it queued (`_check_request`).
+
+Split over ranks (engine/base/ranks.py, engine/model/split.py), every rank runs this engine on
+its part of the model. Only the leader (rank 0) takes requests, calls and cancels; at each turn
+of the scheduler it shares what it heard since the last (`_News`), and every rank applies it at
+that same turn, so all take the same steps, whose forwards carry the activations between them.
+Another rank `follow`s until the leader closes.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import logging
+import pickle
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
@@ -37,10 +45,11 @@ from mlx_lm.generate import generate_step
 
 from engine.base.bundled import resolve_model
 from engine.base.chat import chat_text, render_chat
-from engine.base.errors import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
+from engine.base.errors import CancelledError, EngineDownError, EngineError, InvalidRequestError, PromptTooLongError
 from engine.base.events import Done, PrefillProgress, Stats, Tokens
 from engine.base.loop_guard import LoopGuard
 from engine.base.piece_encoder import PieceEncoder
+from engine.base.ranks import OutOfStepError, Ranks, in_step, world
 from engine.base.sampling import SamplingParams
 from engine.base.stops import TextAssembler
 from engine.caches.batch_cache import BatchCache, joinable
@@ -57,7 +66,7 @@ from engine.drafting.modes import attach_drafter, make_drafter, resolve_mode
 from engine.kernels import cpu_attention
 from engine.model.target import Target, load_target
 from engine.model.vision import PromptImages, Vision, load_vision, position_view, prefill_chunks, set_position_shift
-from engine.sequence import DRAFT, FORWARD, GenerationRequest, Job, Sequence
+from engine.sequence import DRAFT, FORWARD, GenerationRequest, Job, MirrorJob, Sequence
 from engine.tuning.batch_cost import quick_surface, surface_for
 from engine.tuning.cost_curve import curve_for_requests, state_rollback
 from engine.tuning.draft_control import draft_controller
@@ -68,7 +77,30 @@ __all__ = ["DEFAULT_MAX_DRAFT", "Engine", "EngineConfig", "GenerationRequest", "
 
 MAX_ENGINE_CORPUS_DOCS = 64
 PREFILL_RATE_MIN_TOKENS = 128  # shorter prefills time the per-call overhead, not the rate
-_WAKE = object()  # put on the work queue when a job is queued
+_WAKE = object()  # put on the work queue when a job is held or let go
+SPLIT_HEARTBEAT_S = 2.0  # the longest an idle split engine goes without meeting its other ranks
+
+
+@dataclass
+class _Call:
+    """A call to run on the engine thread: on every rank (`fn(target, *args)`) or, `local`, on
+    this one only (what reads state and runs no forward)."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+    future: Future = field(default_factory=Future)
+    local: bool = False
+
+
+@dataclass
+class _News:
+    """What the leader heard since the scheduler's last turn, in the order it came: queued jobs
+    (uid, request, prompt), corpus documents (key, ids), calls (fn, args), "drop", "pause"
+    and "close" orders; then the cancels and holds it saw. Every rank applies it at the same turn."""
+
+    heard: list = field(default_factory=list)
+    cancelled: list[int] = field(default_factory=list)
+    held: dict[int, bool] = field(default_factory=dict)
 
 
 class Engine:
@@ -100,8 +132,15 @@ class Engine:
         self.batched_rounds = 0  # sequence rounds verified in a batched forward
         self.batched_drafts = 0  # sequence rounds whose head draft ran in a batched draft
         self._batch = BatchCache()  # the KV of every sequence that decodes batched (engine/caches/batch_cache.py)
-        self._work: queue.Queue = queue.Queue()  # calls to run on the engine thread, and wake-ups
+        self._work: queue.Queue = queue.Queue()  # what the engine thread hears: jobs, calls, wake-ups
+        self._uids = itertools.count(1)
+        self.ranks: Ranks = world()  # the processes this model is split over (one: a group of one)
+        self.failure: str | None = None  # why a split engine stopped (a rank gone): /health says so
+        self.split: str | None = None  # how the model is split over `ranks` (None: whole here), once loaded
+        self._local: list = []  # the leader's own jobs and calls heard at this turn (`_listen`)
+        self._paused_cache: PrefixCache | None = None  # the prefix cache while paused
         self._waiting: collections.deque[Sequence] = collections.deque()
+        self._arriving: list[Sequence] = []  # submitted, not yet heard by the engine thread
         self._running: list[Sequence] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -110,46 +149,46 @@ class Engine:
         # ("Already borrowed") when two threads use one at once.
         self.tokenizer_lock = threading.RLock()
         self._stopped = threading.Event()
-        self._start_thread(config.dtype)
+        self._start_thread(config)
         self.context_window = config.context_window or self.target.context_window
         self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
         self._contexts = ContextIndexCache()  # the last request's lookup index, continued
         self.last_mode_choice: ModeChoice | None = None  # what `auto` chose last, and why (engine/tuning/mode_choice.py)
         self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids)  # constraints
-        self._settle(config)
 
-    def _start_thread(self, dtype: str | None) -> None:
-        """The engine thread, once it has loaded the model (a ModelLoadError re-raised here)."""
+    def _start_thread(self, config: EngineConfig) -> None:
+        """The engine thread, once it has loaded the model and settled (an error re-raised here)."""
         loaded: Future = Future()
         self._thread = threading.Thread(
-            target=self._serve, args=(loaded, dtype), name="mlx-dspark-engine", daemon=True
+            target=self._serve, args=(loaded, config), name="mlx-dspark-engine", daemon=True
         )
         self._thread.start()
         loaded.result()  # re-raises ModelLoadError here, in the caller's thread
 
-    def _settle(self, config: EngineConfig) -> None:
-        """The start on this machine, in this order: the prefill chunk measured (where the config
-        gives none), a given head paired, what would fail every request failed here (the default
-        mode, a head size KV quantisation can't take), an "auto" max batch measured, and the
-        prefix cache opened. A failure closes the engine."""
-        try:
-            if not self.prefill_chunk:  # engine/tuning/prefill_chunk.py
-                self.prefill_chunk = self.call(chunk_for)
-            if config.drafter or config.drafter_bits:  # a head checkpoint given by the user: load and pair it now
-                self.call(lambda t: attach_drafter(t, config.drafter, config.drafter_bits))
-            resolve_mode(config.mode, self.target)  # fail early on an unknown default mode
-            if config.kv_bits:
-                kv_group_size(self.target.config)  # fail early on a head size KV quantisation can't take
-            if config.max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/tuning/batch_cost.py)
-                self.max_batch = self.call(lambda t: quick_surface(t, config.kv_bits).best_max_batch())
-            if config.prefix_cache:
-                self.prefix_cache = self.call(lambda t: self._open_prefix_cache(t, config))
-            if self.max_draft == "auto":
-                # the cost curve re-checked (or re-measured) now, not in the first request's time
-                self.call(lambda t: curve_for_requests(t, config.kv_bits))
-        except BaseException:
-            self.close()
-            raise
+    def _settle(self, target: Target, config: EngineConfig) -> None:
+        """The start on this machine, on the engine thread, in this order: the prefill chunk
+        measured (where the config gives none), a given head paired, what would fail every
+        request failed here (the default mode, a head size KV quantisation can't take), an
+        "auto" max batch measured, the prefix cache opened, the cost curve checked. Every rank
+        of a split model takes these steps alike (their measurements are the leader's)."""
+        if self.ranks.split:
+            mx.random.seed(self.ranks.share(time.time_ns() % (1 << 32)))  # the same draws on every rank
+            if self.vision is not None:
+                raise EngineError("a split model reads text only here: its vision half isn't split")
+        if not self.prefill_chunk:  # engine/tuning/prefill_chunk.py
+            self.prefill_chunk = chunk_for(target)
+        if config.drafter or config.drafter_bits:  # a head checkpoint given by the user: load and pair it now
+            attach_drafter(target, config.drafter, config.drafter_bits)
+        resolve_mode(config.mode, target)  # fail early on an unknown default mode
+        if config.kv_bits:
+            kv_group_size(target.config)  # fail early on a head size KV quantisation can't take
+        if config.max_batch == "auto":  # from this machine's batch cost surface, measured once (engine/tuning/batch_cost.py)
+            self.max_batch = quick_surface(target, config.kv_bits).best_max_batch()
+        if config.prefix_cache:
+            self.prefix_cache = self._open_prefix_cache(target, config)
+        if self.max_draft == "auto":
+            # the cost curve re-checked (or re-measured) now, not in the first request's time
+            curve_for_requests(target, config.kv_bits)
 
     def _open_prefix_cache(self, target: Target, config: EngineConfig) -> PrefixCache:
         mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731
@@ -164,16 +203,19 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> Job:
         """Queue a generation; a request the engine can't run raises here (EngineError)."""
+        self._check_leader("submit")
         prompt = self._check_request(request)
         job = Job(request)
         with self._queue_lock:  # the same lock as close(): no job slips in after the engine stops
             if self._closed:
-                raise EngineError("engine is closed")
+                raise self._closed_error()
             for observe in self.job_observers:  # before it can emit anything
                 observe(job)
+            job.uid = next(self._uids)
+            seq = Sequence(job, prompt)
             with self._lock:
-                self._waiting.append(Sequence(job, prompt))
-            self._work.put(_WAKE)
+                self._arriving.append(seq)
+            self._work.put(seq)
         return job
 
     def hold(self, job: Job, held: bool = True) -> None:
@@ -184,13 +226,13 @@ class Engine:
     def queue_position(self, job: Job) -> int:
         """1 for the next job to start, 0 once it runs (or left the queue)."""
         with self._lock:
-            live = [s.job for s in self._waiting if not s.job.cancelled]
+            live = [s.job for s in [*self._waiting, *self._arriving] if not s.job.cancelled]
         return live.index(job) + 1 if job in live else 0
 
     def load(self) -> dict:
         """What the engine is doing: queued and running jobs, each with its phase and progress."""
         with self._lock:
-            waiting = [s.job for s in self._waiting if not s.job.cancelled]
+            waiting = [s.job for s in [*self._waiting, *self._arriving] if not s.job.cancelled]
             running = [s.job for s in self._running]
         return {"max_batch": self.max_batch, "queued": len(waiting), "running": len(running),
                 "batched_rounds": self.batched_rounds,
@@ -204,18 +246,30 @@ class Engine:
         finally:
             job.cancel()
 
-    def call(self, fn: Callable[[Target], Any]) -> Any:
-        """Run fn(target) on the engine thread (MLX work outside a generation) and return its result."""
-        future: Future = Future()
-
-        def work():
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(target, *args) on the engine thread (MLX work outside a generation) and return
+        its result. Split over ranks, every rank runs it (its forwards need them all): `fn` and
+        `args` must then pickle (a module-level function, plain values)."""
+        self._check_leader("call")
+        if self.ranks.split:
             try:
-                future.set_result(fn(self.target))
-            except BaseException as e:  # handed to the caller
-                future.set_exception(e)
+                pickle.dumps((fn, args))
+            except Exception as e:
+                raise EngineError(f"{getattr(fn, '__qualname__', fn)!r} can't be sent to the other ranks "
+                                  f"({e}): pass a module-level function and plain arguments") from None
+        return self._run_call(_Call(fn, args))
 
-        self._enqueue(work)
-        return future.result()
+    def inspect(self, fn: Callable[[Target], Any]) -> Any:
+        """Run fn(target) on this rank's engine thread alone: for what only reads (no forward)."""
+        return self._run_call(_Call(fn, local=True))
+
+    def _run_call(self, call: _Call) -> Any:
+        self._enqueue(call)
+        return call.future.result()
+
+    def _check_leader(self, what: str) -> None:
+        if not self.ranks.leader:
+            raise EngineError(f"rank {self.ranks.rank} of a split model follows rank 0: {what} there")
 
     def encode(self, text: str) -> list[int]:
         with self.tokenizer_lock:  # equal to target.encode(text); re-sent pieces not re-tokenised
@@ -258,7 +312,14 @@ class Engine:
         if len(token_ids) < 2:
             return
         key = path if path is not None else "sha256:" + hashlib.sha256(repr(list(token_ids)).encode()).hexdigest()
-        index = TokenIndex(list(token_ids))
+        if self.ranks.split:  # every rank's drafts read it from the same turn on
+            self._check_leader("add_corpus")
+            self._enqueue(("corpus", key, [int(t) for t in token_ids]))
+        else:
+            self._index_corpus(key, list(token_ids))
+
+    def _index_corpus(self, key: str, token_ids: list[int]) -> None:
+        index = TokenIndex(token_ids)
         with self._corpus_lock:
             self.corpus.pop(key, None)
             self.corpus[key] = index
@@ -280,7 +341,7 @@ class Engine:
 
     def mode_choice(self, prompt_ids: list[int]) -> ModeChoice:
         """What `auto` would run for this prompt here, and why (engine/tuning/mode_choice.py)."""
-        return self.call(lambda t: choose_mode(t, [int(i) for i in prompt_ids], self.kv_bits))
+        return self.call(choose_mode, [int(i) for i in prompt_ids], self.kv_bits)
 
     def cached_prefix_tokens(self, prompt_ids: list[int], images: PromptImages | None = None) -> int | None:
         """How many of the prompt's tokens the prefix cache holds in RAM now: a read-only look
@@ -305,7 +366,7 @@ class Engine:
         """The prefix cache's biggest radix-tree branches, with a text preview of each edge."""
         if self.prefix_cache is None:
             return []
-        rows = self.call(lambda t: self.prefix_cache.branches(limit))
+        rows = self.inspect(lambda t: self.prefix_cache.branches(limit))
         for row in rows:
             row["head"], row["tail"] = self.decode(row.pop("head_ids")), self.decode(row.pop("tail_ids"))
         return rows
@@ -313,19 +374,35 @@ class Engine:
     def drop_cache(self, disk: bool = False) -> None:
         """Empty the prefix cache's RAM tier: to the disk tier (evict), or forgotten with it (clear)."""
         if self.prefix_cache is not None:
-            self.call(lambda t: self.prefix_cache.drop(disk))
+            self._check_leader("drop_cache")
+            self._enqueue(("drop", disk))  # every rank drops its own part, at the same turn
+            self.inspect(lambda t: None)  # which this waits for
+
+    def pause_prefix_cache(self, paused: bool = True) -> None:
+        """Run without the prefix cache (each prompt cold, nothing kept) until un-paused: what a
+        benchmark of cold prompts wants. On every rank, from the same turn."""
+        self._check_leader("pause_prefix_cache")
+        self._enqueue(("pause", paused))
+        self.inspect(lambda t: None)  # taken at the next turn, which this waits for
 
     def close(self) -> None:
+        """Stop (a split model: every rank); the prefix cache's hot segments go to its disk tier."""
+        if not self.ranks.leader:
+            self._stopped.wait(timeout=60)  # the leader's close ends this rank's turns
+            return
         if not self._closed:
-            if self.prefix_cache is not None:
-                try:  # the hot segments go to the disk tier, which outlives us
-                    self.call(lambda t: self.prefix_cache.close())
-                except Exception as e:
-                    logging.getLogger(__name__).warning("prefix cache: not saved on close: %s", e)
             with self._queue_lock:
                 self._closed = True
                 self._work.put(None)
             self._stopped.wait(timeout=60)
+
+    def follow(self) -> None:
+        """On a rank other than the leader: take the leader's steps until it closes or is gone."""
+        self._stopped.wait()
+
+    def stopped(self, timeout: float | None = None) -> bool:
+        """Has the engine thread stopped (waiting up to `timeout` s for it)?"""
+        return self._stopped.wait(timeout)
 
     def __enter__(self) -> "Engine":
         return self
@@ -335,34 +412,29 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------
 
-    def _enqueue(self, work: Callable[[], None]) -> None:
+    def _enqueue(self, work: Any) -> None:
         with self._queue_lock:
             if self._closed:
-                raise EngineError("engine is closed")
+                raise self._closed_error()
             self._work.put(work)
 
     def _schedule(self) -> None:
-        """Run calls as they come; start queued jobs up to max_batch; step the running jobs in turn."""
+        """Each turn: what was heard applied (jobs queued, calls run, cancels...), queued jobs
+        started up to max_batch, the running jobs stepped in turn."""
         while True:
-            idle = not self._running and all(s.job.held and not s.job.cancelled for s in self._waiting)
-            items = [self._work.get()] if idle else []
-            while True:
-                try:
-                    items.append(self._work.get_nowait())
-                except queue.Empty:
-                    break
-            for item in items:
-                if item is None:
-                    self._fail_all(EngineError("engine is closed"))
-                    return
-                if item is not _WAKE:
-                    item()
+            try:
+                news = self.ranks.share(self._listen() if self.ranks.leader else None)
+            except RuntimeError as e:  # a collective failed: a rank of the split model is gone
+                self._stop_broken(e)
+                return
+            if not self._apply(news):
+                return
             self._admit()
             # One prefill at a time, oldest first (the others' time to first token would all
             # grow if they took turns), interleaved with every decoding job's rounds. A job just
             # started takes its first step at once (its cached prefix is known after it).
             lead = next((s for s in self._running if s.job.phase == "prefill"), None)
-            stepped = [s for s in list(self._running) if s.job.phase != "prefill" or s is lead or s.job.cancelled]
+            stepped = [s for s in list(self._running) if s.job.phase != "prefill" or s is lead or s.cancelled]
             for seq in stepped:
                 self._step(seq)
             drafting = [s for s in stepped if s.wants == DRAFT]
@@ -379,13 +451,128 @@ class Engine:
                 except Exception as e:  # those jobs fail at their next step (no result); the engine goes on
                     logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
 
+    def _listen(self) -> _News:
+        """The leader's ears: what came in since the last turn (waiting for it when there's
+        nothing to do), and the cancels and holds not yet seen."""
+        idle = not self._running and all(s.job.held and not s.job.cancelled for s in self._waiting)
+        items = []
+        if idle:
+            try:  # split, an idle leader still meets the others now and then: a lost rank shows in /health
+                items.append(self._work.get(timeout=SPLIT_HEARTBEAT_S if self.ranks.split else None))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                items.append(self._work.get_nowait())
+            except queue.Empty:
+                break
+        news, self._local = _News(), []
+        for item in items:
+            if isinstance(item, Sequence):
+                news.heard.append(("job", item.job.uid, item.request, item.prompt))
+                self._local.append(item)
+            elif isinstance(item, _Call):
+                if not item.local:
+                    news.heard.append(("call", item.fn, item.args))
+                self._local.append(item)
+            elif item is None:
+                news.heard.append(("close",))
+            elif item is not _WAKE:
+                news.heard.append(item)  # ("corpus", key, ids)
+        with self._lock:  # the jobs heard now too: one cancelled before the engine heard it never starts
+            seqs = [*self._waiting, *self._running, *(i for i in self._local if isinstance(i, Sequence))]
+        news.cancelled = [s.job.uid for s in seqs if s.job.cancelled and not s.cancelled]
+        news.held = {s.job.uid: s.job.held for s in seqs if s.job.held != s.held}
+        return news
+
+    def _apply(self, news: _News) -> bool:
+        """Apply a turn's news, on every rank alike; False once the engine is to stop."""
+        mine = iter(self._local)  # the leader's own jobs and calls, in the order they came
+
+        def my_next() -> Any:  # the leader's next job or shared call; its local calls run on the way
+            item = next(mine)
+            while isinstance(item, _Call) and item.local:
+                self._run_local(item)
+                item = next(mine)
+            return item
+
+        for kind, *rest in news.heard:
+            if kind == "job":
+                uid, request, prompt = rest
+                seq = my_next() if self.ranks.leader else Sequence(MirrorJob(request), prompt)
+                seq.job.uid = uid
+                with self._lock:
+                    self._waiting.append(seq)
+                    if seq in self._arriving:
+                        self._arriving.remove(seq)
+            elif kind == "call":
+                fn, args = rest
+                self._run_local(my_next() if self.ranks.leader else _Call(fn, args))
+            elif kind == "corpus":
+                self._index_corpus(*rest)
+            elif kind == "drop":
+                if self.prefix_cache is not None:
+                    self.prefix_cache.drop(*rest)
+            elif kind == "pause":
+                (paused,) = rest
+                if paused and self.prefix_cache is not None:
+                    self._paused_cache, self.prefix_cache = self.prefix_cache, None
+                elif not paused and self._paused_cache is not None:
+                    self.prefix_cache, self._paused_cache = self._paused_cache, None
+            elif kind == "close":
+                self._close_prefix_cache()
+                self._fail_all(EngineError("engine is closed"))
+                return False
+        for call in mine:  # leader-only reads after the last shared item
+            self._run_local(call)
+        self._local = []
+        with self._lock:
+            seqs = {s.job.uid: s for s in [*self._waiting, *self._running]}
+        for uid in news.cancelled:
+            if uid in seqs:
+                seqs[uid].cancelled = True
+        for uid, held in news.held.items():
+            if uid in seqs:
+                seqs[uid].held = held
+        return True
+
+    def _run_local(self, call: _Call) -> None:
+        try:
+            with in_step(not call.local):  # a leader-only read crosses no rank
+                call.future.set_result(call.fn(self.target, *call.args))
+        except BaseException as e:  # handed to the caller (on another rank: logged)
+            if not self.ranks.leader:
+                logging.getLogger(__name__).error("call %r failed here: %s", call.fn, e)
+            call.future.set_exception(e)
+
+    def _stop_broken(self, error: Exception) -> None:
+        """A rank is gone (or out of step): every job ends with the reason, and the engine takes no more."""
+        what = "ranks fell out of step" if isinstance(error, OutOfStepError) else "lost a rank"
+        self.failure = f"the split model {what} ({error}): restart all ranks"
+        logging.getLogger(__name__).error("%s", self.failure)
+        with self._queue_lock:
+            self._closed = True
+        self._fail_all(EngineDownError(self.failure))
+        self._close_prefix_cache()  # this rank's part is whole: kept for the restart
+
+    def _closed_error(self) -> EngineError:
+        return EngineDownError(self.failure) if self.failure else EngineError("engine is closed")
+
+    def _close_prefix_cache(self) -> None:
+        cache = self.prefix_cache or self._paused_cache
+        if cache is not None:
+            try:  # the hot segments go to the disk tier, which outlives us
+                cache.close()
+            except Exception as e:
+                logging.getLogger(__name__).warning("prefix cache: not saved on close: %s", e)
+
     def _admit(self) -> None:
         with self._lock:
-            for seq in [s for s in self._waiting if s.job.cancelled]:
+            for seq in [s for s in self._waiting if s.cancelled]:
                 self._waiting.remove(seq)
                 seq.job.phase = "done"
                 seq.job.emit(CancelledError("cancelled before it started"))
-            for seq in [s for s in self._waiting if not s.job.held][: self.max_batch - len(self._running)]:
+            for seq in [s for s in self._waiting if not s.held][: self.max_batch - len(self._running)]:
                 self._waiting.remove(seq)
                 seq.steps = self._phases(seq)
                 self._running.append(seq)
@@ -416,26 +603,36 @@ class Engine:
 
     def _fail_all(self, error: EngineError) -> None:
         with self._lock:
-            jobs = [s.job for s in self._running] + [s.job for s in self._waiting]
+            jobs = [s.job for s in [*self._running, *self._waiting, *self._arriving]]
             for seq in self._running:
                 seq.steps.close()
             self._running.clear()
             self._waiting.clear()
+            self._arriving.clear()
             self._batch = BatchCache()
         for job in jobs:
             job.emit(error)
 
-    def _serve(self, loaded: Future, dtype: str | None) -> None:
-        try:
-            self.target = load_target(self.model_path, dtype=dtype)
-            self.vision = load_vision(self.target)
-        except BaseException as e:
-            loaded.set_exception(e)
-            return
-        loaded.set_result(True)
-        with cpu_attention.engine_thread():  # its forwards may use the CPU kernels (engine/kernels/cpu_attention.py)
-            self._schedule()
-        self.target = None
+    def _serve(self, loaded: Future, config: EngineConfig) -> None:
+        # its forwards may use the CPU kernels (engine/kernels/cpu_attention.py); its steps are
+        # every rank's (engine/base/ranks.py)
+        with cpu_attention.engine_thread(), in_step():
+            try:
+                self.target = load_target(self.model_path, dtype=config.dtype, split=config.split)
+                self.split = self.target.split
+                self.vision = load_vision(self.target)
+                self._settle(self.target, config)
+            except BaseException as e:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.close()
+                with self._queue_lock:
+                    self._closed = True
+                loaded.set_exception(e)
+            else:
+                loaded.set_result(True)
+                self._schedule()
+        if self.failure is None:  # a broken split engine keeps its tokenizer: requests render, then fail with why
+            self.target = None
         self._stopped.set()
         # Park instead of returning: an MLX worker thread that exits after loading a
         # model makes the process abort at exit ("terminate called without an active
@@ -466,7 +663,7 @@ class Engine:
             seq.mode = self.last_mode_choice.mode
         seq.stats.mode, seq.stats.prompt_tokens = seq.mode, len(seq.prompt)
         seq.max_tokens = min(req.max_tokens, self.context_window - len(seq.prompt))
-        if job.cancelled:
+        if seq.cancelled:
             raise CancelledError("cancelled before it started")
 
     def _take_cache(self, seq: Sequence) -> None:
@@ -517,7 +714,7 @@ class Engine:
                 seq.cache,
                 to_prefill[start:stop],
                 chunk_size=stop - start,
-                cancelled=lambda: job.cancelled,
+                cancelled=lambda: seq.cancelled,
                 on_hidden=getattr(drafter, "observe_prefill", None),
                 tap_layers=drafter.tap_layers if drafter is not None else (),
                 embeddings=None if embeddings is None else embeddings[start:stop],
@@ -568,7 +765,7 @@ class Engine:
         """A round a step until it finishes or is cancelled. A round's head draft and verify
         forward, where it defers them, are steps of their own, left to the scheduler."""
         while seq.finish is None:
-            if seq.job.cancelled:
+            if seq.cancelled:
                 seq.finish = "cancelled"
                 break
             if seq.controller is not None:  # the draft that pays depends on how many share the forward
@@ -682,7 +879,14 @@ class Engine:
     def _acquire_cache(self, prompt: list[int]) -> tuple[list, int]:
         if self.prefix_cache is None:
             return self._new_cache(), 0
-        return self.prefix_cache.acquire(prompt)
+        cache, n = self.prefix_cache.acquire(prompt)
+        # Split over ranks, each holds its own part of every entry, and may have evicted or
+        # restored otherwise: all start from the shortest prefix any of them holds.
+        while len(set(held := self.ranks.gather(n))) > 1:
+            if n > min(held):
+                self.prefix_cache.release(prompt[:n], cache)
+                cache, n = self.prefix_cache.acquire(prompt[: min(held) + 1])
+        return cache, n
 
     def _release_cache(self, tokens: list[int], cache: list) -> None:
         if self.prefix_cache is not None:

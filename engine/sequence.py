@@ -56,6 +56,8 @@ class Job:
         self.generated = 0
         self.held = False  # kept in the queue but not started (its client left; a retry may take it over)
 
+    uid: int = 0  # the engine's number for it, the same on every rank of a split model
+
     def status(self) -> dict:
         return {"phase": self.phase, "prefilled_tokens": self.prefilled, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated, "age_s": round(time.perf_counter() - self.created, 3)}
@@ -91,6 +93,14 @@ class Job:
         return done
 
 
+class MirrorJob(Job):
+    """A leader's job as another rank of a split model runs it (engine/base/ranks.py): the same
+    steps, its events heard by no one."""
+
+    def emit(self, event: Any) -> None:
+        pass
+
+
 @dataclass(eq=False)
 class Sequence:
     """One job on the engine thread: made when it queues (its prompt checked), filled in by
@@ -99,6 +109,10 @@ class Sequence:
     job: Job
     prompt: list[int]  # the checked ids (an empty prompt: the model's BOS)
     steps: Iterator[None] | None = None  # its phases as steps, from when it starts
+    # its job's cancel and hold as the scheduler saw them at its last turn: what the engine
+    # thread acts on (a split model's ranks all act at the same turn)
+    cancelled: bool = False
+    held: bool = False
     # set when it starts
     t0: float = 0.0
     stats: Stats = field(default_factory=Stats)

@@ -11,6 +11,11 @@ preloaded. Printed per turn: prompt tokens and each server's time to first token
 waiting, and for `serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and
 restart (a fresh cache folder at the start). Fixtures that are absent are skipped.
 
+Split over ranks (issue 32): `--ranks 2 [--split tensor|pipeline] [--delay-ms 5]` starts both
+servers as that many ring ranks on localhost (engine/bench/shaped_link.py, which adds the
+latency between them): `mlx_lm.server` with its own sharded loading, `serve` with `--split`.
+A stop or restart signals every rank, as a launcher or a terminal would.
+
 Another model size without a download: `scripts/make_random_model.py DIR` writes a qwen3 of about
 4.5x the bundled model's parameters with random weights and the bundled tokenizer; then
 `--model DIR`.
@@ -101,7 +106,27 @@ def float32_copy(model: str, out: Path) -> Path:
     return out
 
 
+def group_alive(pgid: int) -> bool:
+    """Is any process of this process group (a server, or a launcher and its ranks) still running?"""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    return any(not stat.startswith("Z") for stat in out)  # zombies are gone, awaiting their parent's wait
+
+
+def as_ranks(cmd: list[str], args) -> list[str]:
+    """`cmd` run as `args.ranks` ring ranks on localhost, `args.delay_ms` apart (one: as it is)."""
+    if args.ranks <= 1:
+        return cmd
+    return [sys.executable, "-m", "engine.bench.shaped_link", "-n", str(args.ranks), "--delay-ms", str(args.delay_ms),
+            "--", *cmd]
+
+
 class Server:
+    """A server process and, split over ranks, its launcher's: signals go to the whole group."""
+
     def __init__(self, name: str, cmd: list[str], port: int, log: Path):
         self.name, self.cmd, self.port, self.log = name, cmd, port, log
         self.proc: subprocess.Popen | None = None
@@ -109,7 +134,8 @@ class Server:
     def start(self) -> float:
         t0 = time.perf_counter()
         f = open(self.log, "a")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=server_env())
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=server_env(),
+                                     start_new_session=True)
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -124,13 +150,17 @@ class Server:
 
     def stop(self, sig: int = signal.SIGTERM) -> float:
         t0 = time.perf_counter()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            if sig == signal.SIGKILL:
+                os.killpg(self.proc.pid, sig)  # every rank at once, as a crash of the machine would
+            elif self.proc.poll() is None:
+                self.proc.send_signal(sig)  # a launcher passes it on to its ranks
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and group_alive(self.proc.pid):
+                time.sleep(0.05)
+            if group_alive(self.proc.pid):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         self.proc = None
         return time.perf_counter() - t0
 
@@ -173,8 +203,10 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
     result = {"fixture": name, "tokens": n_tokens, "load_start": load_avg()}
 
     port = free_port()
-    peer = Server("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model", str(args.float32_model),
-                                    "--port", str(port), "--log-level", "WARNING"], port, work / "mlx_lm_server.log")
+    pipeline = ["--pipeline"] if args.ranks > 1 and args.split == "pipeline" else []
+    peer = Server("mlx_lm.server", as_ranks([sys.executable, "-m", "mlx_lm", "server", "--model", str(args.float32_model),
+                                             "--port", str(port), "--log-level", "WARNING", *pipeline], args),
+                  port, work / "mlx_lm_server.log")
     peer.start()
     try:
         result["mlx_lm"] = replay(peer, prompts, "mlx_lm.server")
@@ -188,7 +220,9 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
            "--prefix-cache-dir", str(cache_dir), "--log-level", "warning", *args.serve_args]
     if args.context_window:
         cmd += ["--context-window", str(args.context_window)]
-    ours = Server("mlx-dspark serve", cmd, port, work / "serve.log")
+    if args.ranks > 1:
+        cmd += ["--split", args.split]
+    ours = Server("mlx-dspark serve", as_ranks(cmd, args), port, work / "serve.log")
     ours.start()
     try:
         result["serve"] = replay(ours, prompts, "serve")
@@ -235,6 +269,9 @@ def main() -> int:
     ap.add_argument("--no-restarts", action="store_true", help="skip the kill -9 and SIGTERM restarts")
     ap.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
                     help="an extra argument for serve (repeat)")
+    ap.add_argument("--ranks", type=int, default=1, help="run both servers split over this many ranks on localhost")
+    ap.add_argument("--split", choices=["tensor", "pipeline"], default="tensor", help="how, with --ranks")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="latency added between ranks, with --ranks")
     ap.add_argument("--work-dir", default=None, help="logs, the float32 copy and the cache folder (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the results here as JSON")
     args = ap.parse_args()
@@ -255,7 +292,8 @@ def main() -> int:
         return 0
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="replay-agent-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"work dir {work}; model {args.model}; load average {load_avg()}", flush=True)
+    split = f"; {args.ranks} ranks, {args.split} split, {args.delay_ms:g} ms apart" if args.ranks > 1 else ""
+    print(f"work dir {work}; model {args.model}{split}; load average {load_avg()}", flush=True)
     args.float32_model = float32_copy(args.model, work / "model-float32")
     results = [run_fixture(name, path, args, work) for name, path in found]
     for r in results:

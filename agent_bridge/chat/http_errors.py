@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from engine import CancelledError, EngineError, InvalidRequestError, PromptTooLongError
+from engine import CancelledError, EngineDownError, EngineError, InvalidRequestError, PromptTooLongError
 
 # status -> (anthropic type, openai type)
 _TYPES = {
@@ -59,6 +59,8 @@ def from_engine_error(e: EngineError) -> ApiError:
         return ApiError(400, str(e))
     if isinstance(e, CancelledError):
         return ApiError(499, str(e))
+    if isinstance(e, EngineDownError):  # until the server is restarted
+        return ApiError(503, str(e))
     return ApiError(500, str(e))
 
 

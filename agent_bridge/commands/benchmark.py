@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from agent_bridge.commands import CommandError
-from agent_bridge.commands.common import parse_max_draft
+from agent_bridge.commands.common import add_split_args, follows, parse_max_draft
 from agent_bridge.commands.progress import end_progress, progress
 
 AGENT_SESSION = Path(__file__).resolve().parents[2].parent / "shared/fixtures/claude-code/rename-session.jsonl"
@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
                         "(batched) against the same N one at a time, for each N (e.g. 1,2,4,8)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32 on CPU, the checkpoint's on a GPU)")
+    add_split_args(p)
     p.add_argument("--max-draft", default="auto", help="draft cap per round, a number or 'auto' (default: auto)")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, help="quantise the KV cache")
     p.add_argument("--trials", type=int, default=3, help="runs per content and mode; medians are reported")
@@ -122,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
     names = _names(args.contents or ",".join(DEFAULT_CONTENTS), BENCH_CONTENTS, "--contents")
     modes = _names(args.modes or "lookup", [m for m in available_modes() if m not in ("auto",)], "--modes")
     try:
-        with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits, dtype=args.dtype) as engine:
+        with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits, dtype=args.dtype,
+                    split=args.split) as engine:
+            if follows(engine):
+                return 0
             if max_draft == "auto" and not args.no_tune:
                 _tune(engine)
             contents = build_contents(engine, args, names)
@@ -152,13 +156,19 @@ def _write_json(args: argparse.Namespace, report: dict) -> None:
 def _tune(engine) -> None:
     """The verify cost curve and the batch cost surface, cached or measured now (once per
     machine and model)."""
+    progress("verify cost curve: cached or measuring (once per machine and model)")
+    engine.call(_tune_here, engine.kv_bits)
+
+
+def _tune_here(target, kv_bits) -> None:
+    """On every rank of a split model (their forwards go together); the leader shows progress."""
     from engine import tune, tune_batch
 
-    progress("verify cost curve: cached or measuring (once per machine and model)")
-    engine.call(lambda target: tune(target, engine.kv_bits, on_progress=lambda what, i, n: progress(
-        f"measuring verify cost curve: {what} ({i}/{n})")))
-    engine.call(lambda target: tune_batch(target, engine.kv_bits, on_progress=lambda what, i, n: progress(
-        f"measuring batch cost surface: {what} ({i}/{n})")))
+    def shown(what: str):
+        return lambda step, i, n: progress(f"measuring {what}: {step} ({i}/{n})") if target.ranks.leader else None
+
+    tune(target, kv_bits, on_progress=shown("verify cost curve"))
+    tune_batch(target, kv_bits, on_progress=shown("batch cost surface"))
 
 
 def run_concurrency(args: argparse.Namespace, max_draft) -> int:
@@ -180,15 +190,17 @@ def run_concurrency(args: argparse.Namespace, max_draft) -> int:
     t0 = time.perf_counter()
     try:
         with Engine(args.model, max_draft=max_draft, kv_bits=args.kv_bits, dtype=args.dtype,
-                    prefix_cache=False) as engine:
+                    prefix_cache=False, split=args.split) as engine:
+            if follows(engine):
+                return 0
             if max_draft == "auto" and not args.no_tune:
                 _tune(engine)
-            machine = engine.call(lambda t: {**describe_platform(), "device_name": device_name()})
-            surface = engine.call(lambda t: surface_for(t, engine.kv_bits)).describe()
+            machine = engine.inspect(lambda t: {**describe_platform(), "device_name": device_name()})
+            surface = engine.call(surface_for, engine.kv_bits).describe()
             load_start = _load_average()
             rows = []
             for mode in modes:
-                resolved = engine.call(lambda t: resolve_mode(mode, t))
+                resolved = engine.inspect(lambda t: resolve_mode(mode, t))
                 on_row = (lambda r: None) if args.json else (lambda r: print(f"[{resolved}] {row_line(r)}", flush=True))
                 for row in run_levels(engine, names, levels, trials=args.trials, mode=mode, max_draft=max_draft,
                                       max_tokens=args.max_tokens, progress=progress, on_row=on_row):

@@ -3,14 +3,56 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import threading
 
 from agent_bridge.commands import CommandError
 from agent_bridge.mcp.edits import DEFAULT_MAX_EDIT_HUNKS
 
 
+def add_split_args(parser) -> None:
+    """How the model is split over the ranks `mlx.launch` starts (docs/distributed.md)."""
+    parser.add_argument("--split", choices=["pipeline", "tensor"], default=None,
+                        help="under mlx.launch: split the model over its ranks by layers (pipeline) or by "
+                             "matmul slices (tensor) (default: mlx-lm's pick, tensor where the model has it)")
+    parser.add_argument("--pipeline", dest="split", action="store_const", const="pipeline",
+                        help="the same as --split pipeline (mlx-lm's name)")
+
+
+LEADER_CLOSE_WAIT_S = 30  # how long a follower told to stop waits for rank 0's close
+
+
+def follows(engine) -> bool:
+    """On a rank other than 0 of a split model: take rank 0's steps until it closes (True then).
+    Rank 0 alone serves, prints and writes.
+
+    SIGTERM or SIGINT (a launcher or a terminal signals every rank) waits for rank 0's close,
+    which closes this rank's engine at the same step, its prefix cache written to disk; a rank
+    signalled alone writes its queued segments after that wait and ends as the signal would."""
+    if engine.ranks.leader:
+        return False
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: _end_after_leader(engine, signum))
+    engine.follow()
+    return True
+
+
+def _end_after_leader(engine, signum: int) -> None:
+    def wait_then_end():
+        if not engine.stopped(LEADER_CLOSE_WAIT_S):
+            engine.flush_disk(timeout=30)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    threading.Thread(target=wait_then_end, daemon=True).start()
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and decoding")
     g.add_argument("--model", help="mlx-lm model directory or hub id (default: the bundled reference model)")
+    add_split_args(g)
     g.add_argument("--mode", default="auto", help="auto, baseline, lookup, or a drafter mode (default: auto)")
     g.add_argument("--max-draft", default=None, help="cap on draft length per round, or 'auto' (default: engine's)")
     g.add_argument("--context-window", type=int, default=None, help="maximum prompt + output tokens")
@@ -102,4 +144,5 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
         drafter_bits=getattr(args, "drafter_bits", None),
         loop_guard=loop_guard,
         max_batch=getattr(args, "max_batch", 1),
+        split=getattr(args, "split", None),
     )

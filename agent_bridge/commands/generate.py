@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from agent_bridge.commands import CommandError
-from agent_bridge.commands.common import add_engine_args, engine_from_args
+from agent_bridge.commands.common import add_engine_args, engine_from_args, follows
 
 
 def add_parser(sub) -> None:
@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = read_prompt(args)
     with engine_from_args(args) as engine:
+        if follows(engine):
+            return 0
         if args.no_chat_template:
             ids = engine.encode(prompt)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from agent_bridge.commands import CommandError
-from agent_bridge.commands.common import add_engine_args, add_max_edit_hunks, engine_from_args
+from agent_bridge.commands.common import add_engine_args, add_max_edit_hunks, engine_from_args, follows
 from agent_bridge.commands.models import add_models_dir_arg
 
 
@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         return engine_from_args(argparse.Namespace(**{**vars(args), "model": path, "drafter": None}), persistent=True)
 
     with engine_from_args(args, persistent=True) as engine:
+        if follows(engine):
+            return 0
+        if engine.ranks.split and args.allow_switch:
+            raise CommandError("--allow-switch: a split model's ranks load one model; restart them all for another")
         print(f"mlx-dspark: serving {engine.model_path} on http://{args.host}:{args.port} "
               f"(context {engine.context_window} tokens, max batch {engine.max_batch}"
               f"{'' if args.no_mcp else ', MCP at /mcp'})", flush=True)

@@ -28,9 +28,15 @@ MAX_CORPUS_CHARS = 2_000_000
 
 async def health(request: Request):
     bridge = current_bridge(request)
-    return JSONResponse({"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window,
-                         "load": bridge.load(), "models": request.app.state.models.describe(),
-                         "api_key_required": bool(getattr(request.app.state, "api_key", None))})
+    engine = bridge.engine
+    body = {"status": "ok", "model": bridge.model_name, "context_window": bridge.context_window,
+            "load": bridge.load(), "models": request.app.state.models.describe(),
+            "api_key_required": bool(getattr(request.app.state, "api_key", None))}
+    if engine.ranks.split:  # a model split over ranks (docs/distributed.md)
+        body["ranks"] = {"size": engine.ranks.size, "split": engine.split}
+    if engine.failure:  # a rank is gone: every request fails until all ranks restart
+        return JSONResponse({**body, "status": "degraded", "error": engine.failure}, status_code=503)
+    return JSONResponse(body)
 
 
 async def metrics(request: Request):

@@ -18,7 +18,7 @@ def cost_curve(engine: Any) -> dict:
         key = curve_key(target, kv_bits)
         return load_cost_curve(key) or CostCurve.default(key)
 
-    curve = engine.call(read)
+    curve = engine.inspect(read)  # a file read: this process alone, also when split
     by_depth = []
     for depth in curve.depths:
         width, speedup = curve.best_perfect_speedup(depth)

@@ -24,3 +24,7 @@ class InvalidRequestError(EngineError):
 
 class CancelledError(EngineError):
     pass
+
+
+class EngineDownError(EngineError):
+    """The engine takes no more requests until it is restarted (a split model lost a rank)."""

@@ -10,6 +10,10 @@ at all. Each kind keeps its own record type and its measuring; this is where the
 The request path and the scheduler read some kinds per request or per round: each store also
 holds what this process settled for its kind (`recall`/`remember`), until forgotten (`forget`,
 or `forget_measurements` for every kind after a re-measure).
+
+Split over ranks (engine/base/ranks.py), the leader's records are everyone's: each rank runs
+the same measuring forwards, but what is read back or measured is the leader's, so every rank
+plans its drafts and batches alike; only the leader writes the files.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable
 
 from engine.base.files import cache_dir, write_json
+from engine.base.ranks import share, world
 
 
 def key_digest(key: dict) -> str:
@@ -30,8 +35,11 @@ def key_digest(key: dict) -> str:
 class MeasurementStore:
     """The files of one kind of measurement, and what this process settled for it."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, shared: bool = True):
         self.kind = kind  # the files' prefix: "cost-curve", "attention-crossover", ...
+        # the leader's record on every rank of a split model (what sets the steps all take);
+        # False: each rank's own (a kernel pick for its own layers, which changes no step)
+        self.shared = shared
         self._settled: dict[Hashable, Any] = {}
         _STORES.append(self)
 
@@ -39,16 +47,20 @@ class MeasurementStore:
         return cache_dir() / f"{self.kind}-{key_digest(key)}.json"
 
     def load(self, key: dict) -> dict | None:
-        """The record measured under exactly `key`, or None (absent, unreadable, another key's)."""
+        """The record measured under exactly `key`, or None (absent, unreadable, another key's);
+        a shared store's: the leader's, on every rank."""
         try:
-            record = json.loads(self.path(key).read_text())
+            record = json.loads(self.path(key).read_text()) if world().leader or not self.shared else None
         except (OSError, ValueError):
-            return None
-        return record if isinstance(record, dict) and record.get("key") == key else None
+            record = None
+        record = record if isinstance(record, dict) and record.get("key") == key else None
+        return share(record) if self.shared else record
 
     def save(self, record: dict) -> Path:
-        """Write `record` under its own "key", whole (readers never see half a file)."""
-        return write_json(self.path(record["key"]), record)
+        """Write `record` under its own "key", whole (readers never see half a file); a shared
+        store's on the leader alone."""
+        path = self.path(record["key"])
+        return write_json(path, record) if world().leader or not self.shared else path
 
     def recall(self, memo_key: Hashable) -> Any:
         """What this process settled under `memo_key`, or None."""
@@ -70,12 +82,13 @@ _STORES: list[MeasurementStore] = []
 
 
 def cached_or_measured(load: Callable[[], Any], measure: Callable[[], Any], save: Callable[[Any], Any],
-                       refresh: bool = False) -> Any:
+                       refresh: bool = False, shared: bool = True) -> Any:
     """The cached record (`load()`, unless `refresh`), else one `measure()`d and `save`d: what
-    every `tune_*` does with its own store."""
+    every `tune_*` does with its own store. Split over ranks, each measures and, `shared`, the
+    leader's measure is kept by all."""
     found = None if refresh else load()
     if found is None:
-        found = measure()
+        found = share(measure()) if shared else measure()
         save(found)
     return found
 

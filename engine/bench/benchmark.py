@@ -11,6 +11,7 @@ one conversation and report time to first token per turn against the cold first.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import os
 import statistics
@@ -239,6 +240,9 @@ def summarize(samples: list[Sample]) -> dict:
         "ttft_s": round(_median(samples, "ttft_s"), 4),
         "tokens_per_forward": round(_median(samples, "tokens_per_forward"), 3),
         "generated_tokens": int(statistics.median(len(s.tokens) for s in samples)),
+        # the output's fingerprint: other runs of the same content (another machine, a split model)
+        # compare by it
+        "output_sha256": hashlib.sha256(repr(samples[0].tokens).encode()).hexdigest()[:16] if samples else None,
         "samples": [
             {"tok_s": round(s.tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2),
              "ttft_s": round(s.ttft_s, 4), "seconds": round(s.seconds, 4), "tokens": len(s.tokens),
@@ -253,11 +257,11 @@ def summarize(samples: list[Sample]) -> dict:
 def without_prefix_cache(engine):
     """Decode contents compare cold prompts: the peer has no cache, and a repeated trial
     must not start warm. (The `agent` content measures the cache.)"""
-    saved, engine.prefix_cache = engine.prefix_cache, None
+    engine.pause_prefix_cache(True)
     try:
         yield
     finally:
-        engine.prefix_cache = saved
+        engine.pause_prefix_cache(False)
 
 
 def bench_decode(engine, content: Content, modes: list[str], max_draft, trials: int,
@@ -276,7 +280,7 @@ def _bench_decode(engine, content: Content, modes: list[str], max_draft, trials:
         for who in order if trial % 2 == 0 else order[::-1]:
             progress(f"{content.name}: trial {trial + 1}/{trials}, {who}")
             if who == "mlx-lm":
-                s = engine.call(lambda target: plain_mlx_lm(target, prompt, content.max_tokens, sampling))
+                s = engine.call(plain_mlx_lm, prompt, content.max_tokens, sampling)  # every rank's forwards
             else:
                 s = engine_run(engine, prompt, content.max_tokens, sampling, who, max_draft)
             runs[who].append(s)
@@ -332,15 +336,15 @@ def run_benchmark(
     sampling = sampling or SamplingParams()
     t0 = time.perf_counter()
     report = {
-        "machine": engine.call(lambda target: {**describe_platform(), "device_name": device_name(),
-                                               "load_average": _load_average()}),
+        "machine": engine.inspect(lambda target: {**describe_platform(), "device_name": device_name(),
+                                                  "load_average": _load_average()}),
         "model": engine.info(),
         "settings": {"modes": list(modes), "max_draft": max_draft, "trials": trials,
                      "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                   "top_k": sampling.top_k, "seed": sampling.seed}},
         "contents": {},
     }
-    curve = engine.call(lambda target: curve_for_requests(target, engine.kv_bits))
+    curve = engine.call(curve_for_requests, engine.kv_bits)
     report["cost_curve"] = {"measured": curve.measured, "measured_at": curve.measured_at,
                             **{f"cost_at_{d}": {str(w): round(curve.relative(w, d), 3)
                                                 for w in (2, 4, 8, 16, 32, 64)} for d in curve.depths}}

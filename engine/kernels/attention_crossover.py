@@ -22,7 +22,7 @@ from engine.kernels import cpu_attention
 
 FORMAT = 1
 DEFAULT_MIN_KEYS = 512  # measured 2.7x faster than MLX already at 512 keys (2 cores, OpenBLAS)
-CROSSOVERS = MeasurementStore("attention-crossover")  # attention-crossover-<digest of key>.json
+CROSSOVERS = MeasurementStore("attention-crossover", shared=False)  # each rank's own layers  # attention-crossover-<digest of key>.json
 
 
 @dataclass

@@ -22,10 +22,12 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from engine.base.errors import ModelLoadError
 from engine.base.platform import physical_memory_bytes
+from engine.base.ranks import Ranks, world
 from engine.caches.rollback import supports_drafts
 from engine.kernels import cpu_swiglu, gated_delta_chunked, gpu_attention
 from engine.kernels.attention_crossover import install_for
 from engine.model.config import dtype_name
+from engine.model.split import check_parts_agree, split_model
 from engine.model.vision import ImageFeatures, position_view
 
 DEFAULT_CONTEXT_WINDOW = 32768
@@ -48,6 +50,8 @@ class Target:
     heads: dict = field(default_factory=dict, repr=False)  # loaded drafter heads, by mode (engine/heads)
     # how recurrent layers take back a draft, "capture" or "replay"; None: the cost curve's pick
     state_rollback: str | None = None
+    split: str | None = None  # "pipeline" or "tensor" over `ranks` (engine/model/split.py); None: whole here
+    ranks: Ranks = field(default_factory=Ranks, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -68,8 +72,10 @@ class Target:
 
     @property
     def identity(self) -> str:
-        """A short fingerprint of weights' location, config and dtype (cache keys use it)."""
-        blob = json.dumps({"path": self.path, "config": self.config, "dtype": self.dtype}, sort_keys=True)
+        """A short fingerprint of weights' location, config and dtype (cache keys use it); of a
+        split model, this rank's part (its KV and its costs are its own)."""
+        part = {"split": self.split, "rank": self.ranks.rank, "ranks": self.ranks.size} if self.split else {}
+        blob = json.dumps({"path": self.path, "config": self.config, "dtype": self.dtype, **part}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def make_cache(self) -> list:
@@ -93,7 +99,7 @@ class Target:
 
     @property
     def num_layers(self) -> int:
-        return len(self.model.model.layers)
+        return int(self.config.get("num_hidden_layers") or len(self.model.model.layers))
 
     @property
     def hidden_size(self) -> int:
@@ -101,11 +107,15 @@ class Target:
 
     @property
     def tappable(self) -> bool:
-        """Does forward_tapped (and a batched forward's per-row positions) know this family?"""
-        return self.family in TAPPABLE_FAMILIES
+        """Does forward_tapped (and a batched forward's per-row positions) know this family?
+        Not over a pipeline: no rank walks every layer."""
+        return self.family in TAPPABLE_FAMILIES and self.split != "pipeline"
 
     def check_tappable(self, layers: tuple[int, ...] = ()) -> None:
         """Raise ValueError unless forward_tapped supports this model and these layer ids."""
+        if self.split == "pipeline":
+            raise ValueError("hidden-state taps (drafter heads) don't run over a pipeline split yet: use lookup, "
+                             "or split by tensor")
         if self.family not in TAPPABLE_FAMILIES:
             raise ValueError(
                 f"hidden-state taps are not supported for model type {self.family!r} "
@@ -245,10 +255,14 @@ _EMBED_SCALE = {
 TAPPABLE_FAMILIES = frozenset(_LAYER_MASKS)
 
 
-def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bool | None = None) -> Target:
+def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bool | None = None,
+                split: str | None = None, ranks: Ranks | None = None) -> Target:
     """Load an mlx-lm model directory (offline) or hub id, in the device's compute dtype.
 
-    `dequantize`: run a quantised model on its dequantized weights (None: `dequantize_here`)."""
+    `dequantize`: run a quantised model on its dequantized weights (None: `dequantize_here`).
+    Under a launcher (`ranks`: this process's group), this rank's part of it, split by
+    `split` ("pipeline" or "tensor"; None: mlx-lm's pick), engine/model/split.py."""
+    ranks = ranks or world()
     path = str(path_or_id)
     local = Path(path).expanduser()
     if local.exists():
@@ -258,10 +272,11 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
     elif path.startswith((".", "/", "~")):
         raise ModelLoadError(f"model directory not found: {path}")
     try:
-        model, tokenizer, config = mlx_lm_load(path, return_config=True)
+        model, tokenizer, config = mlx_lm_load(path, return_config=True, lazy=ranks.split)
     except Exception as e:  # mlx-lm raises many kinds; the user needs one line
         raise ModelLoadError(f"could not load model {path!r}: {e}") from e
     config = dict(config)
+    split = split_model(model, config, split, ranks)  # before the weights are read: each rank reads its part
     if dequantize_here(model, config, dequantize):
         # MLX's CPU quantized matmul is far slower than BLAS (14.8 ms against 6.4 ms for one
         # token through a 4096x4096 weight, 26x at 16 tokens): a small model runs on its
@@ -276,7 +291,9 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
         model.set_dtype(want)
     mx.eval(model.parameters())
     actual = str(want or _weights_dtype(model)).replace("mlx.core.", "")
-    target = Target(model=model, tokenizer=tokenizer, path=path, config=config, dtype=actual)
+    target = Target(model=model, tokenizer=tokenizer, path=path, config=config, dtype=actual, split=split, ranks=ranks)
+    if split:
+        check_parts_agree(target)
     if install_for(target) is not None:  # long prefill chunks on CPU: blockwise attention (engine/kernels/cpu_attention.py)
         cpu_swiglu.install_for(target)  # and the MLP's activation in a compiled kernel (engine/kernels/cpu_swiglu.py)
     gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)

@@ -68,4 +68,4 @@ def tune_attention(target, refresh: bool = False) -> Crossover:
     shape = attention_shape(target)
     key = crossover_key(target, shape)
     return cached_or_measured(lambda: load_crossover(key), lambda: measure_crossover(shape, key=key),
-                              save_crossover, refresh)
+                              save_crossover, refresh, shared=False)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.base.measurements import MeasurementStore, cached_or_measured
+from engine.base.ranks import share
 from engine.base.platform import slow_blas_warning
 from engine.caches.batch_cache import BatchCache, joinable
 from engine.caches.kv_segments import fresh_cache
@@ -307,7 +308,7 @@ def quick_surface(target, kv_bits: int | None = None) -> BatchSurface:
     cached = load_batch_surface(curve_key(target, kv_bits))
     if cached is not None:
         return cached
-    if slow_blas_warning():
+    if share(slow_blas_warning()):
         return BatchSurface.default(curve_key(target, kv_bits))
     try:
         return tune_batch(target, kv_bits, **QUICK)

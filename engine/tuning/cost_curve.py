@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.base.measurements import MeasurementStore, cached_or_measured
+from engine.base.ranks import share
 from engine.base.platform import device_name
 from engine.caches.kv_segments import fresh_cache
 from engine.caches.rollback import DEFAULT_ROLLBACK, ROLLBACK_MODES, mark, needs_replay, take_back
@@ -300,7 +301,9 @@ def load_cost_curve(key: dict) -> CostCurve | None:
 
 def save_cost_curve(curve: CostCurve) -> Path:
     path = CURVES.save(curve.to_dict())
-    CURVES.forget(str(path))  # the next request settles on the new curve
+    # the next request settles on the new curve: every curve forgotten (split over ranks, the record
+    # is the leader's, under its key; each rank's own settled curve goes too)
+    CURVES.forget()
     return path
 
 
@@ -337,9 +340,9 @@ def curve_for_requests(target, kv_bits: int | None = None) -> CostCurve:
     settled = CURVES.recall(memo_key)
     if settled is None:
         curve = load_cost_curve(key)
-        if curve is not None and not curve_still_holds(target, curve, kv_bits):
-            curve = measure_cost_curve(target, widths=QUICK_WIDTHS, depths=curve.depths, repeats=2,
-                                       key=key, kv_bits=kv_bits)
+        if curve is not None and not share(curve_still_holds(target, curve, kv_bits)):  # the leader's clock decides
+            curve = share(measure_cost_curve(target, widths=QUICK_WIDTHS, depths=curve.depths, repeats=2,
+                                             key=key, kv_bits=kv_bits))
             save_cost_curve(curve)
         settled = CURVES.remember(memo_key, curve or CostCurve.default(key))
     return settled

@@ -84,7 +84,7 @@ def _memo(key: dict) -> str:
 
 def save_head_cost(record: dict) -> None:
     HEAD_COSTS.save(record)
-    HEAD_COSTS.forget(_memo(record["key"]))  # the next request settles on the new record
+    HEAD_COSTS.forget()  # the next request settles on the new record (every rank's, whatever its key)
 
 
 def head_cost(target, mode: str, kv_bits: int | None = None, refresh: bool = False) -> dict:
