@@ -34,6 +34,7 @@ import itertools
 import logging
 import pickle
 import queue
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -149,12 +150,9 @@ class Engine:
         # ("Already borrowed") when two threads use one at once.
         self.tokenizer_lock = threading.RLock()
         self._stopped = threading.Event()
-        self._start_thread(config)
-        self.context_window = config.context_window or self.target.context_window
-        self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
         self._contexts = ContextIndexCache()  # the last request's lookup index, continued
         self.last_mode_choice: ModeChoice | None = None  # what `auto` chose last, and why (engine/tuning/mode_choice.py)
-        self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids)  # constraints
+        self._start_thread(config)  # (and what needs the model, set there before any job can start)
 
     def _start_thread(self, config: EngineConfig) -> None:
         """The engine thread, once it has loaded the model and settled (an error re-raised here)."""
@@ -378,6 +376,12 @@ class Engine:
             self._enqueue(("drop", disk))  # every rank drops its own part, at the same turn
             self.inspect(lambda t: None)  # which this waits for
 
+    def set_max_batch(self, max_batch: int) -> None:
+        """Run up to `max_batch` jobs at once from the next turn on (every rank alike)."""
+        self._check_leader("set_max_batch")
+        self._enqueue(("max_batch", int(max_batch)))
+        self.inspect(lambda t: None)  # taken at the next turn, which this waits for
+
     def pause_prefix_cache(self, paused: bool = True) -> None:
         """Run without the prefix cache (each prompt cold, nothing kept) until un-paused: what a
         benchmark of cold prompts wants. On every rank, from the same turn."""
@@ -424,32 +428,44 @@ class Engine:
         while True:
             try:
                 news = self.ranks.share(self._listen() if self.ranks.leader else None)
-            except RuntimeError as e:  # a collective failed: a rank of the split model is gone
+            except Exception as e:  # a collective failed: a rank of the split model is gone
                 self._stop_broken(e)
                 return
-            if not self._apply(news):
+            try:
+                if not self._apply(news):
+                    return
+                self._turn()
+            except Exception as e:  # a step failed here, and may not have on the other ranks
+                if not self.ranks.split:
+                    raise
+                self._stop_broken(e, in_step=True)
                 return
-            self._admit()
-            # One prefill at a time, oldest first (the others' time to first token would all
-            # grow if they took turns), interleaved with every decoding job's rounds. A job just
-            # started takes its first step at once (its cached prefix is known after it).
-            lead = next((s for s in self._running if s.job.phase == "prefill"), None)
-            stepped = [s for s in list(self._running) if s.job.phase != "prefill" or s is lead or s.cancelled]
-            for seq in stepped:
+
+    def _turn(self) -> None:
+        """Queued jobs started up to max_batch, then the running jobs stepped in turn."""
+        self._admit()
+        # One prefill at a time, oldest first (the others' time to first token would all
+        # grow if they took turns), interleaved with every decoding job's rounds. A job just
+        # started takes its first step at once (its cached prefix is known after it).
+        lead = next((s for s in self._running if s.job.phase == "prefill"), None)
+        stepped = [s for s in list(self._running) if s.job.phase != "prefill" or s is lead or s.cancelled]
+        for seq in stepped:
+            self._step(seq)
+        drafting = [s for s in stepped if s.wants == DRAFT]
+        if drafting:  # the heads' drafts of this round, one batched draft per head
+            self.batched_drafts += draft_together(self.target, [s.call for s in drafting])
+            for seq in drafting:
                 self._step(seq)
-            drafting = [s for s in stepped if s.wants == DRAFT]
-            if drafting:  # the heads' drafts of this round, one batched draft per head
-                self.batched_drafts += draft_together(self.target, [s.call for s in drafting])
-                for seq in drafting:
-                    self._step(seq)
-            forwards = [s.call for s in stepped if s.wants == FORWARD and s not in drafting]
-            forwards += [s.call for s in drafting if s.wants == FORWARD]
-            if forwards:
-                try:
-                    surface = surface_for(self.target, self.kv_bits)  # what batching pays for here
-                    self.batched_rounds += run_forwards(self.target, forwards, surface)
-                except Exception as e:  # those jobs fail at their next step (no result); the engine goes on
-                    logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
+        forwards = [s.call for s in stepped if s.wants == FORWARD and s not in drafting]
+        forwards += [s.call for s in drafting if s.wants == FORWARD]
+        if forwards:
+            try:
+                surface = surface_for(self.target, self.kv_bits)  # what batching pays for here
+                self.batched_rounds += run_forwards(self.target, forwards, surface)
+            except Exception as e:  # those jobs fail at their next step (no result); the engine goes on
+                if self.ranks.split:  # ...unless split: the other ranks may not have failed
+                    raise
+                logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
 
     def _listen(self) -> _News:
         """The leader's ears: what came in since the last turn (waiting for it when there's
@@ -513,6 +529,8 @@ class Engine:
             elif kind == "drop":
                 if self.prefix_cache is not None:
                     self.prefix_cache.drop(*rest)
+            elif kind == "max_batch":
+                (self.max_batch,) = rest
             elif kind == "pause":
                 (paused,) = rest
                 if paused and self.prefix_cache is not None:
@@ -545,10 +563,16 @@ class Engine:
                 logging.getLogger(__name__).error("call %r failed here: %s", call.fn, e)
             call.future.set_exception(e)
 
-    def _stop_broken(self, error: Exception) -> None:
-        """A rank is gone (or out of step): every job ends with the reason, and the engine takes no more."""
-        what = "ranks fell out of step" if isinstance(error, OutOfStepError) else "lost a rank"
-        self.failure = f"the split model {what} ({error}): restart all ranks"
+    def _stop_broken(self, error: Exception, in_step: bool = False) -> None:
+        """A rank is gone, out of step, or failed a step the others may have taken: every job
+        and call ends with the reason, and the engine takes no more."""
+        if isinstance(error, OutOfStepError):
+            what = "'s ranks fell out of step"
+        elif in_step:
+            what = f" stopped: a step failed on rank {self.ranks.rank} ({type(error).__name__}; a rank may be gone)"
+        else:
+            what = " lost a rank"
+        self.failure = f"the split model{what} ({error}): restart all ranks"
         logging.getLogger(__name__).error("%s", self.failure)
         with self._queue_lock:
             self._closed = True
@@ -588,6 +612,8 @@ class Engine:
         except EngineError as e:
             finished = e
         except Exception as e:  # never let one request kill the engine thread
+            if self.ranks.split:  # the other ranks may have taken this step: none can go on alone
+                raise
             finished = EngineError(f"generation failed: {type(e).__name__}: {e}")
         if finished is not None:
             job = seq.job
@@ -602,6 +628,20 @@ class Engine:
         return sum(1 for s in self._running if s.job.phase == "decode")
 
     def _fail_all(self, error: EngineError) -> None:
+        """Every job, and every call not yet run, ends with `error`."""
+        calls = [item for item in self._local if isinstance(item, _Call)]
+        while True:
+            try:
+                item = self._work.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Sequence):
+                item.job.emit(error)
+            elif isinstance(item, _Call):
+                calls.append(item)
+        for call in calls:
+            if not call.future.done():
+                call.future.set_exception(error)
         with self._lock:
             jobs = [s.job for s in [*self._running, *self._waiting, *self._arriving]]
             for seq in self._running:
@@ -621,6 +661,9 @@ class Engine:
                 self.target = load_target(self.model_path, dtype=config.dtype, split=config.split)
                 self.split = self.target.split
                 self.vision = load_vision(self.target)
+                self.context_window = config.context_window or self.target.context_window
+                self._pieces = PieceEncoder(self.tokenizer)  # chat prompts tokenised by message pieces
+                self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids)  # constraints
                 self._settle(self.target, config)
             except BaseException as e:
                 if self.prefix_cache is not None:
@@ -657,6 +700,9 @@ class Engine:
         seq.t0 = time.perf_counter()
         seq.stats = Stats(queued_s=seq.t0 - job.created)
         seq.sampling = req.sampling.for_vocab(target.vocab_size)
+        if self.ranks.split and not seq.sampling.greedy and seq.sampling.seed is None:
+            # every rank must draw the same numbers (what it accepts sets the next forward's width)
+            seq.sampling = replace(seq.sampling, seed=self.ranks.share(secrets.randbits(31)))
         seq.mode = resolve_mode(req.mode or self.default_mode, target)
         if seq.mode == "auto":  # the mode expected fastest here for this prompt (engine/tuning/mode_choice.py)
             self.last_mode_choice = choose_mode(target, seq.prompt, self.kv_bits, heads=req.images is None)
@@ -837,6 +883,9 @@ class Engine:
         stats.generated_tokens = len(seq.out)
         if not stats.ttft_s:
             stats.ttft_s = stats.wall_s
+        # the last round's taking back is lazy (the next pass would have evaluated it): evaluated
+        # now, on every rank alike, not whenever the prefix cache next touches it
+        mx.eval([c.state for c in seq.cache])
         if self._batch.owns(seq.cache):
             self._batch.leave(seq.cache)  # its KV back in plain KVCaches: for the prefix cache
         self._release_cache(seq.committed, seq.cache)

@@ -41,7 +41,7 @@ def bench_queued_first_byte(engine: Engine, max_batch: int) -> dict:
 
     from agent_bridge.app import create_app
 
-    engine.max_batch = max_batch
+    engine.set_max_batch(max_batch)
     long_body = {"model": "m", "max_tokens": 400, "stream": True,
                  "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]}
     short_body = {"model": "m", "max_tokens": 16, "stream": True,

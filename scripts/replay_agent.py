@@ -6,8 +6,9 @@
 Each request of ../shared/fixtures/claude-code/<name>.jsonl is rendered once, as `serve` renders
 it (the model's chat template, ChatML for the bundled model), and the same text goes to both
 servers' /v1/completions (streaming, max_tokens 1, greedy). Both servers are started here, one at a
-time, on the same model in float32 (a float32 copy is made for mlx_lm.server) with OpenBLAS
-preloaded. Printed per turn: prompt tokens and each server's time to first token; then the total
+time, on the same model: on a CPU in float32 (a float32 copy is made for mlx_lm.server) with
+OpenBLAS preloaded; on a GPU the checkpoint as it is, on both sides. Each server gets one warm-up
+request first (a GPU compiles its kernels on first use), not counted. Printed per turn: prompt tokens and each server's time to first token; then the total
 waiting, and for `serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and
 restart (a fresh cache folder at the start). Fixtures that are absent are skipped.
 
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
             "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3")
 START_TIMEOUT_S = 600
+WARM_UP = "Say hello."  # each server's first request, not counted (shares no prefix with the sessions)
 
 
 def fixtures_root() -> Path:
@@ -142,9 +144,12 @@ class Server:
                 raise RuntimeError(f"{self.name} exited at start; see {self.log}")
             try:
                 httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return time.perf_counter() - t0
             except httpx.HTTPError:
                 time.sleep(0.25)
+                continue
+            started = time.perf_counter() - t0
+            self.ttft(WARM_UP)  # not counted: a GPU compiles its kernels on first use
+            return started
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"{self.name} did not start in {START_TIMEOUT_S} s; see {self.log}")
 
@@ -162,6 +167,16 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+        return time.perf_counter() - t0
+
+    def wait_written(self, timeout: float = 120) -> float:
+        """Seconds until the prefix cache's disk writes are done (its /v1/cache says none pending)."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            stats = httpx.get(f"http://127.0.0.1:{self.port}/v1/cache", timeout=10).json()
+            if not (stats.get("stats") or stats).get("disk_pending_bytes"):
+                break
+            time.sleep(0.1)
         return time.perf_counter() - t0
 
     def ttft(self, prompt: str) -> dict:
@@ -204,7 +219,7 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
 
     port = free_port()
     pipeline = ["--pipeline"] if args.ranks > 1 and args.split == "pipeline" else []
-    peer = Server("mlx_lm.server", as_ranks([sys.executable, "-m", "mlx_lm", "server", "--model", str(args.float32_model),
+    peer = Server("mlx_lm.server", as_ranks([sys.executable, "-m", "mlx_lm", "server", "--model", str(args.peer_model),
                                              "--port", str(port), "--log-level", "WARNING", *pipeline], args),
                   port, work / "mlx_lm_server.log")
     peer.start()
@@ -227,10 +242,17 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
     try:
         result["serve"] = replay(ours, prompts, "serve")
         if not args.no_restarts:
-            ours.stop(signal.SIGKILL)  # right after the last turn: its newest segment may be unwritten
+            ours.stop(signal.SIGKILL)  # right after the last turn: its newest segments may be unwritten
             ours.start()
             result["after_kill9"] = ours.ttft(prompts[-1])
             print(f"  serve last turn after kill -9 + restart: {result['after_kill9']['ttft_s']:.2f} s", flush=True)
+            # the same once the disk tier has caught up (a crash some seconds after the turn)
+            result["written_s"] = ours.wait_written()
+            ours.stop(signal.SIGKILL)
+            ours.start()
+            result["after_kill9_written"] = ours.ttft(prompts[-1])
+            print(f"  serve last turn after its writes ({result['written_s']:.1f} s), kill -9 + restart: "
+                  f"{result['after_kill9_written']['ttft_s']:.2f} s", flush=True)
             result["sigterm_stop_s"] = ours.stop(signal.SIGTERM)
             ours.start()
             result["after_sigterm"] = ours.ttft(prompts[-1])
@@ -254,7 +276,8 @@ def report(r: dict) -> None:
         wp, wo = max(x["ttft_s"] for x in peer[1:]), max(x["ttft_s"] for x in ours[1:])
         print(f"| warm turns, worst | | {wp:.2f} s | {wo:.2f} s | {wo / wp:.2f}x |")
     cold = ours[0]["ttft_s"]
-    for key, label in (("after_kill9", "kill -9"), ("after_sigterm", "SIGTERM")):
+    for key, label in (("after_kill9", "kill -9"), ("after_kill9_written", "its writes, kill -9"),
+                       ("after_sigterm", "SIGTERM")):
         if key in r:
             t = r[key]["ttft_s"]
             print(f"| last turn after {label} + restart | | - | {t:.2f} s ({100 * t / cold:.1f}% of cold) | |")
@@ -294,7 +317,12 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     split = f"; {args.ranks} ranks, {args.split} split, {args.delay_ms:g} ms apart" if args.ranks > 1 else ""
     print(f"work dir {work}; model {args.model}{split}; load average {load_avg()}", flush=True)
-    args.float32_model = float32_copy(args.model, work / "model-float32")
+    # the peer serves the same weights `serve` computes with: float32 on a CPU (serve's dtype
+    # there), the checkpoint itself on a GPU
+    import mlx.core as mx
+
+    on_gpu = mx.default_device() == mx.gpu
+    args.peer_model = args.model if on_gpu else float32_copy(args.model, work / "model-float32")
     results = [run_fixture(name, path, args, work) for name, path in found]
     for r in results:
         report(r)

@@ -167,6 +167,23 @@ def test_split_sampling_equals_one_process(models, cache_dir, tmp_path, monkeypa
     assert want[0] != want[2]  # the seeds matter: this is sampling
 
 
+def test_split_unseeded_sampling_keeps_the_ranks_in_step(models, cache_dir, tmp_path, monkeypatch):
+    """Sampled with drafts and no seed (what agents send): every rank must accept the same
+    drafts, so rank 0 draws the seed and shares it. The ranks stay in step: the greedy run
+    after equals one process's."""
+    model = models["dense"]
+    prompt = prompt_for(model)
+    greedy = {"prompt": prompt, "mode": "lookup"}
+    want, engine = one_process(model, [greedy], cache_dir, monkeypatch)
+    runs = [{"prompt": prompt, "mode": "lookup", "temperature": 0.9, "max_tokens": 48}] * 2 + [greedy]
+    got, _ = launch({"model": str(model), "split": "tensor", "runs": runs}, tmp_path, cache_dir)
+    first, second, last = got["runs"]
+    assert [r["error"] for r in got["runs"]] == [None] * 3 and got["failure"] is None
+    assert first["drafted"] > 0 and len(first["tokens"]) == 48
+    assert_same_greedy_away_from_ties(engine, prompt, want[0], last["tokens"])
+    engine.close()
+
+
 def test_split_cancel_reaches_every_rank(models, cache_dir, tmp_path):
     """A run cancelled after its first tokens ends "cancelled", and the ranks stay in step: the
     next run is the same as a fresh one."""

@@ -7,7 +7,7 @@ import contextlib
 import sys
 
 from agent_bridge.commands import CommandError
-from agent_bridge.commands.common import add_engine_args, add_max_edit_hunks, engine_from_args
+from agent_bridge.commands.common import add_engine_args, add_max_edit_hunks, engine_from_args, follows
 
 
 def add_parser(sub) -> None:
@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         # stdout is the MCP wire: anything a loader prints must go to stderr
         with contextlib.redirect_stdout(sys.stderr):
             engine = engine_from_args(args, persistent=True)
+        if follows(engine):  # a split model's other ranks: rank 0 alone speaks MCP
+            return 0
         backend = EngineBackend(engine, mode=args.mode)
     if engine is not None:
         flush_on_signals(engine)

@@ -32,13 +32,18 @@ def cost_curve(engine: Any) -> dict:
 def retune(engine: Any, depths: list[int] | None, repeats: int | None,
            on_progress: Callable[[str, int, int], None]) -> dict:
     """Measure the cost curve again (blocks the engine for its duration) and make new requests use it."""
+    kwargs = {k: v for k, v in (("depths", depths), ("repeats", repeats)) if v}
+    # split over ranks, every rank measures (its forwards need them all); progress shows on one process only
+    shown = None if engine.ranks.split else on_progress
+    engine.call(_retune, getattr(engine, "kv_bits", None), kwargs, shown)
+    return cost_curve(engine)
+
+
+def _retune(target, kv_bits, kwargs: dict, on_progress) -> None:
     from engine import forget_measurements, tune
 
-    kwargs = {k: v for k, v in (("depths", depths), ("repeats", repeats)) if v}
-    kv_bits = getattr(engine, "kv_bits", None)
-    engine.call(lambda t: tune(t, kv_bits, refresh=True, on_progress=on_progress, **kwargs))
+    tune(target, kv_bits, refresh=True, on_progress=on_progress, **kwargs)
     forget_measurements()  # what this process settled on: new requests read the new curve
-    return cost_curve(engine)
 
 
 def cache_view(engine: Any, limit: int = 40) -> dict:

@@ -20,6 +20,7 @@ import pickle
 import struct
 import sys
 import threading
+import zlib
 from functools import lru_cache
 from typing import Any
 
@@ -28,7 +29,7 @@ import mlx.core as mx
 # A shared object up to this size crosses in one collective (a scheduler tick's usual news
 # fits); a bigger one takes a second.
 INLINE_BYTES = 1024
-_HEADER = struct.Struct("<I")
+_HEADER = struct.Struct("<II")  # the pickle's length, a CRC of where `share` was called
 _thread = threading.local()  # .in_step: this thread takes the steps every rank takes
 
 
@@ -59,6 +60,10 @@ def _call_site(depth: int = 3) -> str:
     return "<".join(parts)
 
 
+def _crc(site: str) -> int:
+    return zlib.crc32(site.encode())
+
+
 class Ranks:
     """This process's place in the group of processes that hold one model."""
 
@@ -81,26 +86,22 @@ class Ranks:
         return self.split and getattr(_thread, "in_step", False)
 
     def share(self, obj: Any) -> Any:
-        """The leader's `obj`, on every rank (the others' argument is ignored; pass None)."""
+        """The leader's `obj`, on every rank (the others' argument is ignored; pass None). The
+        header carries where the leader called from: a rank that called from elsewhere is out
+        of step, and says so before it reads any further."""
         if not self.crossing:
             return obj
         site = _call_site()
-        data = pickle.dumps((site, obj)) if self.leader else b""
-        head = _HEADER.pack(len(data)) + data[: INLINE_BYTES - _HEADER.size] if self.leader else b""
+        data = pickle.dumps(obj) if self.leader else b""
+        head = _HEADER.pack(len(data), _crc(site)) + data[: INLINE_BYTES - _HEADER.size] if self.leader else b""
         first = self._sum_bytes(head, INLINE_BYTES)
-        (n,) = _HEADER.unpack(first[: _HEADER.size])
+        n, leader_site = _HEADER.unpack(first[: _HEADER.size])
+        if leader_site != _crc(site):  # the leader was at another share, or in another collective
+            raise OutOfStepError(f"ranks out of step: rank {self.rank} shared at {site}, rank 0 elsewhere")
         body = first[_HEADER.size : _HEADER.size + n]
         if len(body) < n:
             body += self._sum_bytes(data[len(body) :], n - len(body))
-        if self.leader:
-            return obj
-        try:
-            leader_site, obj = pickle.loads(body)
-        except Exception:  # the leader was in another collective: its bytes are no share
-            leader_site, obj = "another collective", None
-        if leader_site != site:
-            raise OutOfStepError(f"ranks out of step: rank 0 shared at {leader_site}, rank {self.rank} at {site}")
-        return obj
+        return obj if self.leader else pickle.loads(body)
 
     def gather(self, value: int) -> list[int]:
         """Every rank's `value`, in rank order."""

@@ -35,7 +35,7 @@ def distinct_prompts(engine, name: str, c: int) -> tuple[list[list[int]], int, s
 def run_together(engine, prompts: list[list[int]], max_tokens: int, max_batch: int,
                  sampling: SamplingParams, mode: str | None, max_draft) -> dict:
     """Submit every prompt at once with `max_batch`; read each on its own thread."""
-    engine.max_batch = max_batch
+    engine.set_max_batch(max_batch)
     rounds_before, drafts_before = engine.batched_rounds, engine.batched_drafts
     t0 = time.perf_counter()
     jobs = [engine.submit(GenerationRequest(p, max_tokens=max_tokens, sampling=sampling, mode=mode,
@@ -131,7 +131,7 @@ def run_concurrency(engine, names: list[str], levels: list[int], trials: int = 3
                     rows.append(bench_level(engine, name, c, trials, sampling, mode, max_draft, max_tokens, progress))
                     on_row(rows[-1])
     finally:
-        engine.max_batch = saved
+        engine.set_max_batch(saved)
     return rows
 
 

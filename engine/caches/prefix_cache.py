@@ -235,6 +235,7 @@ class PrefixCache:
             "disk_files": self.disk.files if self.disk else 0,
             "disk_bytes": self.disk.nbytes if self.disk else 0,
             "disk_writes": self.disk.writes if self.disk else 0,
+            "disk_pending_bytes": self.disk.writer.pending_bytes if self.disk else 0,  # queued, not yet on disk
             "disk_loads": self.disk.loads if self.disk else 0,
             "disk_skipped": self.disk.skipped if self.disk else 0,
             **self._disk_rates(),

@@ -37,10 +37,10 @@ from engine.caches.kinds import holds_state, kept_bytes, leaves
 CAPTURE_BYTES = 1 << 30
 
 
-def fits(cache: list, width: int, budget: int | None = None) -> bool:
-    """Would capturing a width-`width` pass over this cache stay within the budget?"""
+def widest_capture(cache: list, budget: int | None = None) -> int:
+    """The widest pass over this cache whose capture stays within the budget."""
     held = kept_bytes([c for c in leaves(cache) if holds_state(c)])
-    return width * held <= (CAPTURE_BYTES if budget is None else budget)
+    return (CAPTURE_BYTES if budget is None else budget) // max(1, held)
 
 
 class Tape:

@@ -21,7 +21,7 @@ import numpy as np
 from engine.base.errors import CancelledError
 from engine.base.sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
 from engine.caches.rollback import DEFAULT_ROLLBACK, mark, needs_replay, supports_drafts, take_back
-from engine.caches.state_capture import fits
+from engine.caches.state_capture import widest_capture
 from engine.decoding.batch_verify import Forward
 from engine.decoding.grammar import GrammarState, bit_set, masked, unpack_bits
 from engine.drafting.drafter import Draft, Drafter
@@ -109,10 +109,10 @@ def speculative_rounds(
     # A cache type engine/caches/rollback.py doesn't know can't take back a rejected draft:
     # decode it plainly, which is always correct.
     drafting = supports_drafts(cache)
-    if drafting and needs_replay(cache):
-        capture = (rollback or target.state_rollback or DEFAULT_ROLLBACK) == "capture"
-    else:
-        capture = False
+    capture_width = 0  # the widest pass whose recurrent states are captured; wider ones replay
+    if drafting and needs_replay(cache) and (rollback or target.state_rollback or DEFAULT_ROLLBACK) == "capture":
+        # split over ranks, each holds its own recurrent layers: all capture up to the same width
+        capture_width = min(target.ranks.gather(widest_capture(cache)))
     y = last_token
     while True:
         t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def speculative_rounds(
         inputs = [y, *draft_tokens]
         before = mark(cache) if draft_tokens else None
         fwd = Forward(inputs, cache, tuple(drafter.tap_layers),
-                      capture=capture and bool(draft_tokens) and fits(cache, len(inputs)))
+                      capture=bool(draft_tokens) and len(inputs) <= capture_width)
         if defer_forward:
             yield fwd
         else:
