@@ -133,6 +133,25 @@ def test_split_greedy_equals_one_process(models, cache_dir, tmp_path, monkeypatc
     engine.close()
 
 
+def test_split_heads_draft_over_a_tensor_split(cache_dir, tmp_path, monkeypatch):
+    """The bundled model's drafter heads (DSpark, DFlash) over a tensor split: every rank holds
+    the whole hidden state after each layer's all-sum, so the taps are whole; their drafts are
+    verified across the ranks and the tokens are one process's. Model: the bundled 12.6M qwen3
+    and its bundled heads, deciding for themselves."""
+    from engine.base.bundled import default_model_path
+
+    model = default_model_path()
+    prompt = prompt_for(model)
+    runs = [{"prompt": prompt, "mode": "baseline"}]
+    want, engine = one_process(model, runs, cache_dir, monkeypatch)
+    got, _ = launch({"model": str(model), "split": "tensor", "engine": {"prefix_cache": False},
+                     "runs": [{"prompt": prompt, "mode": m} for m in ("dspark", "dflash")]}, tmp_path, cache_dir)
+    for row in got["runs"]:
+        assert row["error"] is None and row["drafted"] > 0
+        assert_same_greedy_away_from_ties(engine, prompt, want[0], row["tokens"])
+    engine.close()
+
+
 def test_split_drafts_accepted_and_rejected(models, cache_dir, tmp_path, monkeypatch):
     """The dense model copies the repeated prompt (drafts accepted) and the hybrid doesn't
     (drafts rejected: its recurrent state taken back on every rank); sequential, with the
