@@ -96,8 +96,8 @@ class _Call:
 @dataclass
 class _News:
     """What the leader heard since the scheduler's last turn, in the order it came: queued jobs
-    (uid, request, prompt), corpus documents (key, ids), calls (fn, args), "drop", "pause"
-    and "close" orders; then the cancels and holds it saw. Every rank applies it at the same turn."""
+    (uid, request, prompt), corpus documents (key, ids), calls (fn, args), "drop", "max_batch",
+    "pause" and "close" orders; then the cancels and holds it saw. Every rank applies it at the same turn."""
 
     heard: list = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
@@ -372,22 +372,22 @@ class Engine:
     def drop_cache(self, disk: bool = False) -> None:
         """Empty the prefix cache's RAM tier: to the disk tier (evict), or forgotten with it (clear)."""
         if self.prefix_cache is not None:
-            self._check_leader("drop_cache")
-            self._enqueue(("drop", disk))  # every rank drops its own part, at the same turn
-            self.inspect(lambda t: None)  # which this waits for
+            self._order("drop", disk)  # every rank drops its own part
 
     def set_max_batch(self, max_batch: int) -> None:
         """Run up to `max_batch` jobs at once from the next turn on (every rank alike)."""
-        self._check_leader("set_max_batch")
-        self._enqueue(("max_batch", int(max_batch)))
-        self.inspect(lambda t: None)  # taken at the next turn, which this waits for
+        self._order("max_batch", int(max_batch))
 
     def pause_prefix_cache(self, paused: bool = True) -> None:
         """Run without the prefix cache (each prompt cold, nothing kept) until un-paused: what a
         benchmark of cold prompts wants. On every rank, from the same turn."""
-        self._check_leader("pause_prefix_cache")
-        self._enqueue(("pause", paused))
-        self.inspect(lambda t: None)  # taken at the next turn, which this waits for
+        self._order("pause", paused)
+
+    def _order(self, kind: str, *args: Any) -> None:
+        """An order every rank takes at the same turn (`_apply`); returns once it is taken."""
+        self._check_leader(kind)
+        self._enqueue((kind, *args))
+        self.inspect(lambda t: None)  # run at that turn, after the order
 
     def close(self) -> None:
         """Stop (a split model: every rank); the prefix cache's hot segments go to its disk tier."""
@@ -666,8 +666,7 @@ class Engine:
                 self.grammars = Grammars(self.tokenizer, self.target.vocab_size, self.target.eos_token_ids)  # constraints
                 self._settle(self.target, config)
             except BaseException as e:
-                if self.prefix_cache is not None:
-                    self.prefix_cache.close()
+                self._close_prefix_cache()
                 with self._queue_lock:
                     self._closed = True
                 loaded.set_exception(e)

@@ -13,6 +13,13 @@ import uvicorn
 from agent_bridge.app import UVICORN_OPTIONS
 
 
+def free_port() -> int:
+    """A port free on the loopback now (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def cli_test(cli, name: str):
     """A decorator for a slow test that runs a real agent CLI from .node (`cli`, its path),
     skipped where Node.js or the CLI is absent."""

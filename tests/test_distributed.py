@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 
 from tests.greedy_ties import assert_same_greedy_away_from_ties
 from tests.tiny_models import FAMILIES, build_tiny_model
+from server_harness import free_port
 
 CHILD = Path(__file__).with_name("split_child.py")
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
@@ -223,12 +223,6 @@ def test_model_that_cant_split_fails_clearly(models, cache_dir, tmp_path):
     _, log = run_launch(cfg, cache_dir, timeout=120)
     assert not (tmp_path / "out.json").exists()  # (mlx.launch itself exits 0 whatever its ranks do)
     assert "can't split a qwen3 model by pipeline (it can: tensor)" in log
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_lost_rank_fails_requests_and_says_why(models, cache_dir, tmp_path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import mlx.core as mx
 import pytest
 
 from tests.tiny_models import FAMILIES, build_tiny_model
+from server_harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def rename_symbol(path, old, new):\n    return path.replace(old, new)\n" * 6
@@ -36,12 +36,6 @@ pytestmark = pytest.mark.skipif(not mx.distributed.is_available(), reason="MLX d
 def moe_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("split-serve-moe"), arch="qwen3_moe", layers=4,
                             extra=FAMILIES["qwen3_moe"][1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Serve:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server_harness import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["def add(a, b):\n    return a + b\n" * 8, "class Point:\n    x: int\n    y: int\n" * 8, "hello " * 40]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
