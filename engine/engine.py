@@ -50,7 +50,7 @@ from engine.base.errors import CancelledError, EngineDownError, EngineError, Inv
 from engine.base.events import Done, PrefillProgress, Stats, Tokens
 from engine.base.loop_guard import LoopGuard
 from engine.base.piece_encoder import PieceEncoder
-from engine.base.ranks import OutOfStepError, Ranks, in_step, world
+from engine.base.ranks import OutOfStepError, Ranks, in_step, link_lost, world
 from engine.base.sampling import SamplingParams
 from engine.base.stops import TextAssembler
 from engine.caches.batch_cache import BatchCache, joinable
@@ -568,7 +568,7 @@ class Engine:
         and call ends with the reason, and the engine takes no more."""
         if isinstance(error, OutOfStepError):
             what = "'s ranks fell out of step"
-        elif in_step:
+        elif in_step and not link_lost(error):
             what = f" stopped: a step failed on rank {self.ranks.rank} ({type(error).__name__}; a rank may be gone)"
         else:
             what = " lost a rank"

@@ -7,7 +7,7 @@ Every rank builds the engine; rank 0 runs the requests one after another (or all
 "together": true), writes {"runs": [{"tokens", "finish", "drafted", "accepted", "error"}...],
 "ranks": n} to "out" and closes; the others follow. "cancel_after": k cancels a run after its
 k-th Tokens event; "temperature" and "seed" sample; "die": rank 1 exits hard after loading
-(a lost rank); "engine": extra Engine keywords.
+(a lost rank), "die": "decoding" once the first run has made a few tokens; "engine": extra Engine keywords.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,6 +54,11 @@ def main() -> None:
     engine = Engine(cfg["model"], split=cfg.get("split"), **cfg.get("engine", {}))
     ranks = engine.ranks
     if not ranks.leader:
+        if cfg.get("die") == "decoding":  # gone mid-forward: the leader notices inside a step
+            threading.Thread(target=engine.follow, daemon=True).start()
+            while not any(len(s.out) >= 4 for s in list(engine._running)):
+                time.sleep(0.01)
+            os._exit(3)
         if cfg.get("die"):
             os._exit(3)
         engine.follow()

@@ -225,14 +225,16 @@ def test_model_that_cant_split_fails_clearly(models, cache_dir, tmp_path):
     assert "can't split a qwen3 model by pipeline (it can: tensor)" in log
 
 
-def test_lost_rank_fails_requests_and_says_why(models, cache_dir, tmp_path):
-    """Rank 1 gone after loading (started by hand, so no launcher kills rank 0 with it): rank
-    0's request ends with an error naming the lost rank, the engine records why, no hang."""
+@pytest.mark.parametrize("die", [True, "decoding"])
+def test_lost_rank_fails_requests_and_says_why(models, cache_dir, tmp_path, die):
+    """Rank 1 gone after loading or while decoding (started by hand, so no launcher kills rank 0
+    with it): rank 0's request ends with an error naming the lost rank, whether the leader
+    noticed in a share or inside a forward; the engine records why, no hang."""
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     model = models["moe"]
-    cfg = {"model": str(model), "split": "pipeline", "die": True, "out": str(tmp_path / "out.json"),
-           "runs": [{"prompt": prompt_for(model), "mode": "lookup"}]}
+    cfg = {"model": str(model), "split": "pipeline", "die": die, "out": str(tmp_path / "out.json"),
+           "runs": [{"prompt": prompt_for(model), "mode": "lookup", "max_tokens": 400}]}
     procs = [subprocess.Popen([sys.executable, str(CHILD), json.dumps(cfg)], cwd=ROOT,
                               env={**child_env(cache_dir), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]

@@ -50,6 +50,16 @@ class OutOfStepError(RuntimeError):
     in what decides the steps, not a fault of the link)."""
 
 
+# How MLX's backends say a peer went away mid-collective (the ring's words; MPI aborts the
+# process instead): a lost rank, wherever the leader noticed it, in `share` or in a forward.
+_LINK_LOST = ("connection to a peer was lost",)
+
+
+def link_lost(error: BaseException) -> bool:
+    """Did this collective fail because another rank is gone (not because of this rank's step)?"""
+    return any(words in str(error) for words in _LINK_LOST)
+
+
 def _call_site(depth: int = 3) -> str:
     """Where `share` was called from (a few frames, names and lines): the same on every rank
     that takes the same steps."""
