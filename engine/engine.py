@@ -78,6 +78,9 @@ __all__ = ["DEFAULT_MAX_DRAFT", "Engine", "EngineConfig", "GenerationRequest", "
 
 MAX_ENGINE_CORPUS_DOCS = 64
 PREFILL_RATE_MIN_TOKENS = 128  # shorter prefills time the per-call overhead, not the rate
+# A long prefill hands what it has computed to the disk tier this often (tokens), not only at
+# its end: the writer works while the rest is computed, and a crash loses only the tail.
+WRITE_AHEAD_TOKENS = 4096
 _WAKE = object()  # put on the work queue when a job is held or let go
 SPLIT_HEARTBEAT_S = 2.0  # the longest an idle split engine goes without meeting its other ranks
 
@@ -751,6 +754,7 @@ class Engine:
         job, drafter, prompt = seq.job, seq.drafter, seq.prompt
         to_prefill = prompt[seq.cached : -1]
         computing = 0.0  # this prompt's own prefill time (other requests' steps run between chunks)
+        written = 0  # tokens of to_prefill handed to the prefix cache so far
         for start, stop in prefill_chunks(len(to_prefill), self.prefill_chunk, embeddings, depth=seq.cached):
             yield
             t0 = time.perf_counter()
@@ -767,6 +771,9 @@ class Engine:
             computing += time.perf_counter() - t0
             job.prefilled = seq.cached + stop
             job.emit(PrefillProgress(job.prefilled, len(prompt)))
+            if self.prefix_cache is not None and stop < len(to_prefill) and stop - written >= WRITE_AHEAD_TOKENS:
+                self.prefix_cache.write_ahead(seq.key[: job.prefilled], seq.cache)
+                written = stop
         seq.stats.prefilled_tokens = len(to_prefill) + 1
         if self.prefix_cache is not None:
             if len(to_prefill) >= PREFILL_RATE_MIN_TOKENS:  # the rate a disk restore must beat

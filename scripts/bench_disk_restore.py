@@ -5,8 +5,8 @@ as `dd` reads it (16 MiB blocks into one buffer, nothing else), best of --repeat
     .venv/bin/python scripts/bench_disk_restore.py FOLDER [--repeats 3]
 
 FOLDER is a `--prefix-cache-dir` (its identity folders are all read) or one identity folder.
-Both reads come from the page cache when the files were read or written lately: drop it first
-(as root, `sync; echo 3 > /proc/sys/vm/drop_caches`, on a machine of your own) for the cold rate.
+Both reads come from the page cache when the files were read or written lately: `--drop-caches`
+(as root, on a machine of your own) empties it before each read, for the cold rates.
 """
 
 from __future__ import annotations
@@ -33,11 +33,19 @@ def dd_read(paths: list[Path], block: int = 16 << 20) -> float:
     return time.perf_counter() - t0
 
 
+def drop_page_cache() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:  # root only
+        f.write("3\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--drop-caches", action="store_true", help="empty the page cache before each read (root)")
     args = ap.parse_args()
+    fresh = drop_page_cache if args.drop_caches else (lambda: None)
     root = Path(args.folder)
     folders = [root] if any(root.glob(f"*{SUFFIX}")) else [d for d in root.iterdir() if d.is_dir()]
     for folder in folders:
@@ -48,15 +56,17 @@ def main() -> int:
             continue
         restore, disk = [], []
         for _ in range(args.repeats):
+            fresh()
             t0 = time.perf_counter()
             got = tier.load_many(entries)
             restore.append(time.perf_counter() - t0)
+            fresh()
             disk.append(dd_read([e.path for e in entries]))
         tier.close()
         ok = sum(g is not None for g in got)
         print(f"{folder.name}: {len(entries)} files ({ok} good), {nbytes / 1e6:.1f} MB; restore "
               f"{nbytes / min(restore) / 1e9:.2f} GB/s, dd-style read {nbytes / min(disk) / 1e9:.2f} GB/s "
-              f"(best of {args.repeats}; {os.cpu_count()} CPUs)")
+              f"(best of {args.repeats}{', page cache dropped' if args.drop_caches else ''}; {os.cpu_count()} CPUs)")
     return 0
 
 

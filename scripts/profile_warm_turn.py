@@ -9,6 +9,10 @@ prefix-cache lookup, KV assembly, drafter start (the lookup index), prefill of t
 the first decode round (max_tokens=1). Turn 1 is cold; the later turns are the warm ones. Stages are
 timed by wrapping the engine's own functions (nothing here changes what they do); `other` is the
 rest of the engine's time to first token.
+
+`--restart`: then the engine is closed (its disk tier written, as on SIGTERM), a new one opened on
+the same folder (`--prefix-cache-dir`, else a temporary one) and given one short warm-up request,
+and the last turn profiled again: `disk` is the disk tier's reads, within `lookup`.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STAGES = ("parse", "template", "tokenise", "lookup", "assemble", "drafter", "prefill", "first_round", "other")
+STAGES = ("parse", "template", "tokenise", "lookup", "disk", "assemble", "drafter", "prefill", "first_round", "other")
 
 
 class Timers:
@@ -72,6 +77,8 @@ def main() -> int:
     ap.add_argument("--fixture", default=str(fixtures_root() / "claude-code/rename-session.jsonl"))
     ap.add_argument("--context-window", type=int, default=None)
     ap.add_argument("--json", action="store_true", help="print one JSON object per turn as well")
+    ap.add_argument("--prefix-cache-dir", default=None, help="the disk tier's folder (with --restart: a temp one)")
+    ap.add_argument("--restart", action="store_true", help="the last turn again on a restarted engine")
     args = ap.parse_args()
     fixture = Path(args.fixture)
     if not fixture.exists():
@@ -90,6 +97,9 @@ def main() -> int:
     timers.wrap(engine_mod, "make_drafter", "drafter")
     timers.wrap(engine_mod, "prefill", "prefill")
     timers.wrap(pc_mod.PrefixCache, "release", "release")
+    from engine.caches.kv_disk import DiskTier
+
+    timers.wrap(DiskTier, "load_many", "disk")
     from engine.drafting import lookup as lookup_mod
 
     timers.wrap(lookup_mod.LookupDrafter, "start", "drafter")
@@ -99,48 +109,55 @@ def main() -> int:
 
     lines = [ln for ln in fixture.read_text().splitlines() if ln.strip()]
     print(f"profiling {len(lines)} turns of {fixture.name}", flush=True)
-    with Engine(args.model, context_window=args.context_window) as engine:
-        rows = []
-        for i, line in enumerate(lines, 1):
-            timers.s.clear()
-            t0 = time.perf_counter()
-            body = json.loads(line)["body"]
-            req = parse_request(body, 4096)
-            t1 = time.perf_counter()
-            template_text(engine, req)
-            t2 = time.perf_counter()
-            ids = render(engine, req)  # template again + tokenising: what serve does
-            t3 = time.perf_counter()
-            job = engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=1))
-            done = job.result()
-            st = done.stats
-            row = {
-                "turn": i,
-                "prompt_tokens": st.prompt_tokens,
-                "cached_tokens": st.cached_tokens,
-                "parse": t1 - t0,
-                "template": t2 - t1,
-                "tokenise": max(0.0, (t3 - t2) - (t2 - t1)),
-                "lookup": timers.s.get("lookup", 0.0),
-                "assemble": timers.s.get("assemble", 0.0),
-                "drafter": timers.s.get("drafter", 0.0),
-                "prefill": timers.s.get("prefill", 0.0),
-                "first_round": max(0.0, st.ttft_s - st.prefill_s),
-                "release": timers.s.get("release", 0.0),
-            }
-            known = sum(row[k] for k in ("lookup", "assemble", "drafter", "prefill", "first_round"))
-            row["other"] = max(0.0, st.ttft_s - known)
-            row["total"] = (t3 - t0) - row["template"] + st.ttft_s  # the template is timed twice above
-            rows.append(row)
-            if args.json:
-                print(json.dumps(row), flush=True)
-            print(f"turn {i}: {st.prompt_tokens} tokens, {st.cached_tokens} cached, "
-                  f"{st.prompt_tokens - st.cached_tokens} new: {row['total'] * 1000:.0f} ms to first token", flush=True)
-    head = f"{'stage (ms)':<12}" + "".join(f"{'turn ' + str(r['turn']):>10}" for r in rows)
+    cache_dir = args.prefix_cache_dir or (tempfile.mkdtemp(prefix="profile-turn-") if args.restart else None)
+
+    def turn(engine, label, line) -> dict:
+        timers.s.clear()
+        t0 = time.perf_counter()
+        body = json.loads(line)["body"]
+        req = parse_request(body, 4096)
+        t1 = time.perf_counter()
+        template_text(engine, req)
+        t2 = time.perf_counter()
+        ids = render(engine, req)  # template again + tokenising: what serve does
+        t3 = time.perf_counter()
+        st = engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=1)).result().stats
+        row = {
+            "turn": label,
+            "prompt_tokens": st.prompt_tokens,
+            "cached_tokens": st.cached_tokens,
+            "parse": t1 - t0,
+            "template": t2 - t1,
+            "tokenise": max(0.0, (t3 - t2) - (t2 - t1)),
+            "lookup": timers.s.get("lookup", 0.0),
+            "disk": timers.s.get("disk", 0.0),
+            "assemble": timers.s.get("assemble", 0.0),
+            "drafter": timers.s.get("drafter", 0.0),
+            "prefill": timers.s.get("prefill", 0.0),
+            "first_round": max(0.0, st.ttft_s - st.prefill_s),
+            "release": timers.s.get("release", 0.0),
+        }
+        known = sum(row[k] for k in ("lookup", "assemble", "drafter", "prefill", "first_round"))
+        row["other"] = max(0.0, st.ttft_s - known)
+        row["total"] = (t3 - t0) - row["template"] + st.ttft_s  # the template is timed twice above
+        if args.json:
+            print(json.dumps(row), flush=True)
+        print(f"turn {label}: {st.prompt_tokens} tokens, {st.cached_tokens} cached, "
+              f"{st.prompt_tokens - st.cached_tokens} new: {row['total'] * 1000:.0f} ms to first token", flush=True)
+        return row
+
+    opts = dict(context_window=args.context_window, prefix_cache_dir=cache_dir)
+    with Engine(args.model, **opts) as engine:
+        rows = [turn(engine, str(i), line) for i, line in enumerate(lines, 1)]
+    if args.restart:  # closed above: its segments are on disk, as after a SIGTERM
+        with Engine(args.model, **opts) as engine:
+            engine.submit(GenerationRequest(prompt_ids=engine.tokenizer.encode("Say hello."), max_tokens=1)).result()
+            rows.append(turn(engine, "restart", lines[-1]))
+    head = f"{'stage (ms)':<12}" + "".join(f"{r['turn'] if r['turn'] == 'restart' else 'turn ' + r['turn']:>10}" for r in rows)
     print("\n" + head)
     for stage in (*STAGES, "release", "total"):
         print(f"{stage:<12}" + "".join(f"{r[stage] * 1000:>10.1f}" for r in rows))
-    warm = rows[1:]
+    warm = [r for r in rows[1:] if r["turn"] != "restart"]
     if warm:
         not_compute = [r["total"] - r["prefill"] - r["first_round"] for r in warm]
         print(f"\nwarm turns: not compute (all but prefill and first round) "

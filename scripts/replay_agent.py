@@ -1,7 +1,7 @@
 """Side-by-side replay of recorded agent sessions: `mlx_lm.server` against `mlx-dspark serve`.
 
     .venv/bin/python scripts/replay_agent.py [--fixtures rename-session,long-session] [--model DIR]
-        [--context-window N] [--no-restarts] [--json OUT.json]
+        [--context-window N] [--no-restarts] [--no-peer] [--json OUT.json]
 
 Each request of ../shared/fixtures/claude-code/<name>.jsonl is rendered once, as `serve` renders
 it (the model's chat template, ChatML for the bundled model), and the same text goes to both
@@ -179,6 +179,15 @@ class Server:
             time.sleep(0.1)
         return time.perf_counter() - t0
 
+    def restored(self, prompt: str) -> dict:
+        """The last turn on a restarted server: its time to first token, and what its disk tier read."""
+        row = self.ttft(prompt)
+        stats = httpx.get(f"http://127.0.0.1:{self.port}/v1/cache", timeout=30).json()
+        stats = stats.get("stats") or stats
+        row.update({k: stats.get(k) for k in ("disk_restored_bytes", "disk_restore_s", "disk_restore_gb_per_s",
+                                              "prefill_tokens_per_s", "disk_declined_tokens")})
+        return row
+
     def ttft(self, prompt: str) -> dict:
         """Seconds from sending the request to its first streamed token."""
         body = {"model": "default_model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
@@ -208,6 +217,19 @@ def replay(server: Server, prompts: list[str], label: str) -> list[dict]:
     return rows
 
 
+def replay_peer(prompts: list[str], args, work: Path) -> list[dict]:
+    port = free_port()
+    pipeline = ["--pipeline"] if args.ranks > 1 and args.split == "pipeline" else []
+    peer = Server("mlx_lm.server", as_ranks([sys.executable, "-m", "mlx_lm", "server", "--model", str(args.peer_model),
+                                             "--port", str(port), "--log-level", "WARNING", *pipeline], args),
+                  port, work / "mlx_lm_server.log")
+    peer.start()
+    try:
+        return replay(peer, prompts, "mlx_lm.server")
+    finally:
+        peer.stop()
+
+
 def run_fixture(name: str, path: Path, args, work: Path) -> dict:
     prompts = render_prompts(args.model, path)
     from mlx_lm.utils import load_tokenizer
@@ -217,16 +239,7 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
     print(f"\n== {name}: {len(prompts)} turns, {n_tokens[0]}-{n_tokens[-1]} tokens (load {load_avg()})", flush=True)
     result = {"fixture": name, "tokens": n_tokens, "load_start": load_avg()}
 
-    port = free_port()
-    pipeline = ["--pipeline"] if args.ranks > 1 and args.split == "pipeline" else []
-    peer = Server("mlx_lm.server", as_ranks([sys.executable, "-m", "mlx_lm", "server", "--model", str(args.peer_model),
-                                             "--port", str(port), "--log-level", "WARNING", *pipeline], args),
-                  port, work / "mlx_lm_server.log")
-    peer.start()
-    try:
-        result["mlx_lm"] = replay(peer, prompts, "mlx_lm.server")
-    finally:
-        peer.stop()
+    result["mlx_lm"] = None if args.no_peer else replay_peer(prompts, args, work)
 
     cache_dir = work / f"prefix-cache-{name}"
     shutil.rmtree(cache_dir, ignore_errors=True)
@@ -244,18 +257,18 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
         if not args.no_restarts:
             ours.stop(signal.SIGKILL)  # right after the last turn: its newest segments may be unwritten
             ours.start()
-            result["after_kill9"] = ours.ttft(prompts[-1])
+            result["after_kill9"] = ours.restored(prompts[-1])
             print(f"  serve last turn after kill -9 + restart: {result['after_kill9']['ttft_s']:.2f} s", flush=True)
             # the same once the disk tier has caught up (a crash some seconds after the turn)
             result["written_s"] = ours.wait_written()
             ours.stop(signal.SIGKILL)
             ours.start()
-            result["after_kill9_written"] = ours.ttft(prompts[-1])
+            result["after_kill9_written"] = ours.restored(prompts[-1])
             print(f"  serve last turn after its writes ({result['written_s']:.1f} s), kill -9 + restart: "
                   f"{result['after_kill9_written']['ttft_s']:.2f} s", flush=True)
             result["sigterm_stop_s"] = ours.stop(signal.SIGTERM)
             ours.start()
-            result["after_sigterm"] = ours.ttft(prompts[-1])
+            result["after_sigterm"] = ours.restored(prompts[-1])
             print(f"  serve last turn after SIGTERM + restart: {result['after_sigterm']['ttft_s']:.2f} s", flush=True)
     finally:
         ours.stop()
@@ -264,23 +277,29 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
 
 
 def report(r: dict) -> None:
-    peer, ours = r["mlx_lm"], r["serve"]
+    ours = r["serve"]
+    peer = r["mlx_lm"] or [None] * len(ours)  # None: --no-peer
+
+    def vs(a: float | None, b: float, f: str = ".2f") -> str:
+        return f"{a:{f}} s | {b:{f}} s | {b / a:.2f}x" if a is not None else f"- | {b:{f}} s | -"
+
     print(f"\n{r['fixture']} (load average {r['load_start']} -> {r['load_end']})")
     print(f"| turn | tokens | mlx_lm.server | serve | ratio |\n|---|---|---|---|---|")
     for i, (a, b) in enumerate(zip(peer, ours), 1):
-        print(f"| {i}{', cold' if i == 1 else ''} | {r['tokens'][i - 1]} | {a['ttft_s']:.2f} s | {b['ttft_s']:.2f} s "
-              f"| {b['ttft_s'] / a['ttft_s']:.2f}x |")
-    tp, to = sum(x["ttft_s"] for x in peer), sum(x["ttft_s"] for x in ours)
-    print(f"| total waiting | | {tp:.1f} s | {to:.1f} s | {to / tp:.2f}x |")
-    if len(peer) > 1:
-        wp, wo = max(x["ttft_s"] for x in peer[1:]), max(x["ttft_s"] for x in ours[1:])
-        print(f"| warm turns, worst | | {wp:.2f} s | {wo:.2f} s | {wo / wp:.2f}x |")
+        print(f"| {i}{', cold' if i == 1 else ''} | {r['tokens'][i - 1]} | {vs(a and a['ttft_s'], b['ttft_s'])} |")
+    if r["mlx_lm"]:
+        print(f"| total waiting | | {vs(sum(x['ttft_s'] for x in peer), sum(x['ttft_s'] for x in ours), '.1f')} |")
+    if r["mlx_lm"] and len(peer) > 1:
+        print(f"| warm turns, worst | | {vs(max(x['ttft_s'] for x in peer[1:]), max(x['ttft_s'] for x in ours[1:]))} |")
     cold = ours[0]["ttft_s"]
     for key, label in (("after_kill9", "kill -9"), ("after_kill9_written", "its writes, kill -9"),
                        ("after_sigterm", "SIGTERM")):
         if key in r:
             t = r[key]["ttft_s"]
-            print(f"| last turn after {label} + restart | | - | {t:.2f} s ({100 * t / cold:.1f}% of cold) | |")
+            gb, s = (r[key].get("disk_restored_bytes") or 0) / 1e9, r[key].get("disk_restore_s") or 0
+            read = f", {gb:.2f} GB read in {s:.2f} s" if gb else ""
+            print(f"| last turn after {label} + restart | | - | {t:.2f} s ({100 * t / cold:.1f}% of cold, "
+                  f"{r[key]['cached_tokens']} cached{read}) | |")
 
 
 def main() -> int:
@@ -290,6 +309,8 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model directory (default: the bundled reference model)")
     ap.add_argument("--context-window", type=int, default=None, help="passed to serve (long-session needs 65536)")
     ap.add_argument("--no-restarts", action="store_true", help="skip the kill -9 and SIGTERM restarts")
+    ap.add_argument("--no-peer", action="store_true",
+                    help="skip mlx_lm.server (restart figures only: they are ratios to serve's own cold turn)")
     ap.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
                     help="an extra argument for serve (repeat)")
     ap.add_argument("--ranks", type=int, default=1, help="run both servers split over this many ranks on localhost")
@@ -322,7 +343,7 @@ def main() -> int:
     import mlx.core as mx
 
     on_gpu = mx.default_device() == mx.gpu
-    args.peer_model = args.model if on_gpu else float32_copy(args.model, work / "model-float32")
+    args.peer_model = args.model if on_gpu or args.no_peer else float32_copy(args.model, work / "model-float32")
     results = [run_fixture(name, path, args, work) for name, path in found]
     for r in results:
         report(r)

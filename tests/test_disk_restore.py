@@ -206,6 +206,42 @@ def test_kill_9_mid_restore_then_restart_reads_it(tiny_model_dir, plain, tmp_pat
     assert rec["tokens"] == expected and rec["cached"] == len(prompt) - 1
 
 
+KILLED_MID_PREFILL = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import engine.engine
+from engine.caches.prefix_cache import SegmentPrefixCache
+engine.engine.WRITE_AHEAD_TOKENS = 128
+real = SegmentPrefixCache.write_ahead
+def then_die(self, tokens, cache):
+    real(self, tokens, cache)
+    if len(tokens) >= 256:  # the second hand-over, in the middle of the prompt's prefill
+        self.flush()
+        print(len(tokens), flush=True)
+        os._exit(9)  # as kill -9: nothing closes, nothing more is written
+SegmentPrefixCache.write_ahead = then_die
+sys.argv = ["disk_child.py", {cfg!r}]
+import runpy
+runpy.run_path({child!r}, run_name="__main__")
+"""
+
+
+def test_a_long_prefill_writes_ahead_and_a_crash_in_it_keeps_that(tiny_model_dir, plain, tmp_path):
+    """The disk tier gets a long prompt's first parts while the rest is computed: a process killed
+    in the middle of the prefill restarts from what was handed over, output as computed cold."""
+    prompt = rand_tokens(700, 6)
+    expected = out(plain, prompt)[0]
+    cfg = {"model": str(tiny_model_dir), "cache_dir": str(tmp_path), "prompts": [prompt]}
+    code = KILLED_MID_PREFILL.format(tests=str(ROOT / "tests"), cfg=json.dumps(cfg), child=str(CHILD))
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert killed.returncode == 9 and killed.stdout.strip() == "256", killed.stderr[-2000:]
+    done = subprocess.run([sys.executable, str(CHILD), json.dumps(cfg)], check=True, capture_output=True,
+                          text=True, timeout=300)
+    rec = json.loads(done.stdout.splitlines()[0])
+    assert rec["tokens"] == expected and rec["cached"] == 256
+
+
 def _session_then(model: Path, cache_dir: Path, prompts: list[list[int]], sig: int) -> None:
     port = _free_port()
     proc = _serve(model, cache_dir, port)

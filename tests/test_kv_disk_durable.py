@@ -54,15 +54,20 @@ def run_child(cfg: dict, **popen) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, **popen)
 
 
-def test_segments_reach_disk_as_they_are_made(tiny_model_dir, plain, tmp_path):
-    prompts = session(3)
+@pytest.mark.parametrize("writers", [1, 3])
+def test_segments_reach_disk_as_they_are_made(tiny_model_dir, plain, tmp_path, monkeypatch, writers):
+    """(3 writer threads: what a machine of 12 cores or more uses, files finished out of order.)"""
+    from engine.caches import kv_disk_writer
+
+    monkeypatch.setattr(kv_disk_writer, "default_writer_threads", lambda: writers)
+    prompts = session(6, first=300, step=60)
     e = Engine(str(tiny_model_dir), prefix_cache_dir=tmp_path)
     try:
         for p in prompts:
             out(e, p)
         assert e.flush_disk(timeout=30)
         # still running, never closed: a second process would find every turn on disk
-        assert len(files(tmp_path)) >= 3
+        assert len(files(tmp_path)) >= 6
         with Engine(str(tiny_model_dir), prefix_cache_dir=tmp_path) as other:
             got, cached = out(other, prompts[-1] + [7, 8])
             assert got == out(plain, prompts[-1] + [7, 8])[0]

@@ -215,6 +215,7 @@ class DiskTier:
         self.nbytes = 0
         self.writes = self.loads = self.skipped = self.deleted = 0
         self.lock = threading.RLock()  # the index is shared with the writer thread
+        self._capping = threading.Lock()  # writer threads finish files at once: one cap pass at a time
         self.queued_parents: collections.defaultdict = collections.defaultdict(list)  # files queued: their tokens, by parent key
         self.reader = read_into  # (fd, view, offset) -> bytes read; tests slow it down
         self._pool: ThreadPoolExecutor | None = None
@@ -622,6 +623,10 @@ class DiskTier:
 
     def enforce_cap(self) -> None:
         """Delete the oldest files under the cache folder (every identity's) until under the cap."""
+        with self._capping:
+            self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
         files = []
         for p in self.root.rglob(f"*{SUFFIX}"):
             try:

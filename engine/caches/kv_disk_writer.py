@@ -1,7 +1,8 @@
 """The disk tier's background writer: prefix-cache files written as segments are made.
 
 The engine thread hands over a file's arrays (already evaluated: the writer never runs
-MLX) and goes on; one writer thread writes them in order. Each file is written to a
+MLX) and goes on; writer threads take them in order (several where the machine has the cores:
+a file's CRC, write and fsync each wait on one thing, and a fast disk takes several at once). Each file is written to a
 temp name, fsync'd, renamed to its final name (which carries the digest of its bytes:
 `FileDigest`, a CRC-32 per 8 MiB chunk, so a restore checks the chunks on several threads)
 and the folder fsync'd, so a file either is whole under its final name or is not there.
@@ -36,6 +37,12 @@ from engine.base.files import fsync_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+
+
+def default_writer_threads() -> int:
+    """One writer per 4 cores, up to 4: a small machine keeps its cores for the model."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int32": "I32", "uint32": "U32",
            "int64": "I64", "uint64": "U64", "int16": "I16", "uint16": "U16", "int8": "I8", "uint8": "U8",
            "bool": "BOOL", "float64": "F64"}
@@ -135,18 +142,19 @@ def write_atomic(folder: Path, name: str, parts: list, suffix: str) -> tuple[Pat
 
 
 class DiskWriter:
-    def __init__(self, folder: Path, suffix: str, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
+    def __init__(self, folder: Path, suffix: str, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 threads: int | None = None):
         self.folder, self.suffix = folder, suffix
         self.max_pending_bytes = max_pending_bytes
         self.pending: collections.OrderedDict[str, FileJob] = collections.OrderedDict()
         self.pending_bytes = 0
-        self.busy = False  # a job is being written
+        self.busy = 0  # jobs being written
         self.failed: str | None = None  # why writing is off
         self.written = self.refused = 0
         self._cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="mlx-dspark-kv-writer", daemon=True)
-        self._thread.start()
+        for i in range(threads or default_writer_threads()):
+            threading.Thread(target=self._run, name=f"mlx-dspark-kv-writer-{i}", daemon=True).start()
 
     def submit(self, job: FileJob) -> bool:
         """Queue a file; False when it can't be (writing off, queue full)."""
@@ -184,7 +192,7 @@ class DiskWriter:
                     return
                 _, job = self.pending.popitem(last=False)
                 self.pending_bytes -= job.nbytes
-                self.busy = True
+                self.busy += 1
             try:
                 path, digest, size = write_atomic(self.folder, job.name, safetensors_parts(job.tensors, job.metadata),
                                                   self.suffix)
@@ -194,7 +202,7 @@ class DiskWriter:
                 ok = False
                 self._turn_off(err)
             with self._cv:
-                self.busy = False
+                self.busy -= 1
                 if ok:
                     self.written += 1
                 self._cv.notify_all()

@@ -204,6 +204,12 @@ class PrefixCache:
         """Keep the state of a cache that holds exactly `tokens`: the engine calls it at each
         prompt's end (only checkpoints keep anything here; release serves the turn's end)."""
 
+    def write_ahead(self, tokens: list[int], cache: list) -> None:
+        """A long prompt's first `tokens` are computed (the cache holds exactly them): where they
+        can be kept as segments, the disk tier starts writing them now, so a crash during the
+        prefill, or right after it, loses only its last part (segments only: a checkpoint of
+        recurrent state mid-prompt would cost a copy of it each time)."""
+
     @_locked
     def close(self) -> None:
         """Write every segment held in RAM to the disk tier (if any)."""
@@ -458,6 +464,8 @@ class SegmentPrefixCache(PrefixCache):
         for node in self.tree.insert(list(tokens), lambda a, b: slice_segment(cache, a, b)):
             self._to_disk(node)
         self._evict()
+
+    write_ahead = checkpoint  # a part of the prompt is a prefix like the whole one
 
     def _keep(self, tokens, cache):
         kept = list(tokens)
