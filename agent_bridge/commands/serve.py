@@ -35,8 +35,8 @@ def add_parser(sub) -> None:
                    help=f"waiting requests past which new ones get 429/529 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--strict-tools", action=argparse.BooleanOptionalAction, default=None,
                    help="keep every tool call valid by construction: the call's markup and its arguments typed "
-                        "by the tool's schema, through the grammar (default: on for the hermes/qwen <tool_call> "
-                        "syntax; a tool marked strict by the client is kept to its schema either way)")
+                        "by the tool's schema, through the grammar, in every call syntax the server parses (default: "
+                        "on; a tool marked strict by the client is kept to its schema either way)")
     add_max_edit_hunks(p)
     p.add_argument("--allow-switch", action="store_true",
                    help="a request naming another model on this machine loads it (else a 404)")
