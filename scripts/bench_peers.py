@@ -160,26 +160,6 @@ class Peer(ra.Server):
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"{self.name} did not start in {ra.START_TIMEOUT_S} s; see {self.log}")
 
-    def ttft(self, prompt: str) -> dict:
-        """Seconds from sending the request to its first streamed token (max_tokens 1, greedy)."""
-        body = {"model": "default_model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
-        t0 = time.perf_counter()
-        first, cached = None, None
-        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=7200) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                data = json.loads(line[5:])
-                choice = (data.get("choices") or [{}])[0]
-                if first is None and (choice.get("text") or choice.get("finish_reason")):
-                    first = time.perf_counter() - t0
-                if (data.get("mlx_dspark") or {}).get("cached_tokens") is not None:  # ours
-                    cached = data["mlx_dspark"]["cached_tokens"]
-                if (data.get("timings") or {}).get("cache_n") is not None:  # llama-server
-                    cached = data["timings"]["cache_n"]
-        return {"ttft_s": first if first is not None else time.perf_counter() - t0, "cached_tokens": cached}
-
     def complete(self, prompt: str, max_tokens: int) -> dict:
         """One greedy completion, not streamed: its text, token count and wall time."""
         body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,

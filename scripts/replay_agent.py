@@ -203,6 +203,8 @@ class Server:
                 if first is None and (choice.get("text") or choice.get("finish_reason")):
                     first = time.perf_counter() - t0
                 stats = data.get("mlx_dspark") or stats
+                if (data.get("timings") or {}).get("cache_n") is not None:  # llama-server (scripts/bench_peers.py)
+                    stats = {"cached_tokens": data["timings"]["cache_n"]}
         return {"ttft_s": first if first is not None else time.perf_counter() - t0,
                 "cached_tokens": stats.get("cached_tokens"), "prompt_tokens": stats.get("prompt_tokens")}
 
