@@ -136,29 +136,9 @@ def decode_prompt(model: str) -> tuple[str, str]:
 
 
 class Peer(ra.Server):
-    """A server process (its own session: signals reach the whole group), ready once /health says 200."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict, cwd: Path = ROOT):
-        super().__init__(name, cmd, port, log)
-        self.env, self.cwd = env, cwd  # a peer runs outside this checkout (whose mlx_dspark.egg-info it would see)
-
-    def start(self) -> float:
-        t0 = time.perf_counter()
-        f = open(self.log, "a")
-        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        deadline = time.time() + ra.START_TIMEOUT_S
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited at start; see {self.log}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop(signal.SIGKILL)
-        raise RuntimeError(f"{self.name} did not start in {ra.START_TIMEOUT_S} s; see {self.log}")
+    """A server as replay_agent.py starts it (its own session: signals reach the whole group; ready once
+    /health says 200; one warm-up request), with a peer's environment and folder (a peer runs outside
+    this checkout, whose mlx_dspark.egg-info it would see), and a completion and llama's /tokenize."""
 
     def complete(self, prompt: str, max_tokens: int) -> dict:
         """One greedy completion, not streamed: its text, token count and wall time."""
@@ -199,9 +179,8 @@ def measure(peer: Peer, session: list[str], decode: str, max_tokens: int, tok, c
     """Start, warm up, the agent session's turns, the decode 1 + `repeats` times; then stop."""
     print(f"\n== {peer.name}: {' '.join(peer.cmd)}  (load {ra.load_avg()})", flush=True)
     out: dict = {"cmd": peer.cmd, "endpoint": "/v1/completions", "load_start": ra.load_avg()}
-    out["start_s"] = peer.start()
+    out["start_s"] = peer.start()  # (its warm-up request not counted)
     try:
-        peer.ttft(ra.WARM_UP)  # not counted
         if check_tokens:
             out["tokenization"] = {}
             for label, text in (("decode prompt", decode), ("session turn 1", session[0]),
@@ -213,14 +192,7 @@ def measure(peer: Peer, session: list[str], decode: str, max_tokens: int, tok, c
                                               "same": theirs is not None and diff is None, "first_difference": diff}
                 same = "?" if theirs is None else "same" if diff is None else f"differs at token {diff}"
                 print(f"  tokenization of the {label} ({len(ours)} tokens): {same}", flush=True)
-        turns = []
-        for i, p in enumerate(session, 1):
-            row = peer.ttft(p)
-            turns.append(row)
-            cached = "" if row["cached_tokens"] is None else f", {row['cached_tokens']} cached"
-            print(f"  session turn {i}{' (cold)' if i == 1 else ''}: {row['ttft_s']:.2f} s{cached}  "
-                  f"(load {ra.load_avg()})", flush=True)
-        out["session"] = turns
+        out["session"] = ra.replay(peer, session, "session")  # turn 1 cold
         runs = [peer.complete(decode, max_tokens) for _ in range(1 + repeats)]  # the first not timed
         for run in runs:
             run["tokens"] = run["completion_tokens"] or len(tok.encode(run["text"], add_special_tokens=False))

@@ -129,22 +129,27 @@ def as_ranks(cmd: list[str], args) -> list[str]:
 class Server:
     """A server process and, split over ranks, its launcher's: signals go to the whole group."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path):
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict | None = None,
+                 cwd: Path = ROOT):
         self.name, self.cmd, self.port, self.log = name, cmd, port, log
+        self.env, self.cwd = env or server_env(), cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> float:
+        """Seconds until /health says 200; then one warm-up request, not counted."""
         t0 = time.perf_counter()
         f = open(self.log, "a")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=server_env(),
+        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited at start; see {self.log}")
             try:
-                httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                ready = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
+                ready = False
+            if not ready:  # (llama-server answers 503 while it loads)
                 time.sleep(0.25)
                 continue
             started = time.perf_counter() - t0
