@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The yardsticks at real cost on a GPU (MLX CUDA or Metal): the bundled model widened to Qwen3-8B's
 # shape and to Qwen3-30B-A3B's MoE shape (training/widen.py, quantised as written), then for each
-# `benchmark --contents refactor,edit,chat` against mlx-lm and the concurrency benchmark (1, 4, 8
-# streams). From the repository root:
+# `benchmark --contents refactor,edit,chat` against mlx-lm, the concurrency benchmark (1, 4, 8
+# streams), a 16k-token cold prefill against mlx-lm's (scripts/profile_prefill_gpu.py) and the
+# agent sessions against mlx_lm.server (scripts/replay_agent.py, both fixtures). From the repository root:
 #
 #     bash scripts/real_cost_bench.sh OUT_DIR
 #
@@ -16,10 +17,13 @@
 # pass (`tune`) measures the verify cost curve and prefill chunk into the cache and compiles the
 # kernels, so neither is charged to the benchmark's first measured side (which also alternates
 # who goes first); the concurrency benchmark warms up by itself as well.
-# Environment: SHAPES ("qwen3-8b qwen3-30b-a3b"; one per call keeps a call under 10 minutes),
-# QBITS ("8"; "4 8" for both), TRIALS (2), MAX_TOKENS (unset: each content's own budget), PYTHON
-# (python3), MODELS_DIR, KEEP; a PYTHONPATH given (an MLX build installed with pip --target) is kept
-# after the repository.
+# Environment: SHAPES ("qwen3-8b qwen3-30b-a3b"), QBITS ("8"; "4 8" for both), PASSES (which
+# passes, default "tune benchmark concurrency prefill replay"; all of them take about 15 minutes a
+# model on an H200, so a machine whose calls end at 10 minutes runs them in two calls with KEEP=1),
+# FIXTURES (replay_agent's names or .jsonl paths: "rename-session long-session", read from
+# ../shared/fixtures), TRIALS (2), MAX_TOKENS (unset: each content's own budget), PYTHON (python3),
+# MODELS_DIR, KEEP, and the caps PREFILL_S (180), REPLAY_S (200); a PYTHONPATH given (an MLX build
+# installed with pip --target) is kept after the repository.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: real_cost_bench.sh OUT_DIR}
@@ -32,6 +36,7 @@ models_dir=${MODELS_DIR:-/tmp/yardsticks}
 trials=${TRIALS:-2}
 budget=()
 [ -n "${MAX_TOKENS:-}" ] && budget=(--max-tokens "$MAX_TOKENS")
+wants() { [[ " ${PASSES:-tune benchmark concurrency prefill replay} " == *" $1 "* ]]; }
 log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$out/progress.log"; }
 
 # pass NAME SECONDS COMMAND...: run one capped pass, its output in OUT_DIR/NAME.log
@@ -60,13 +65,23 @@ for shape in ${SHAPES:-qwen3-8b qwen3-30b-a3b}; do
         --shape "$shape" --q-bits "$bits" --dtype bfloat16 || { rm -rf "$model"; continue; }
     fi
     du -sh "$model" | tee -a "$out/progress.log"
-    pass "${tag}_tune" "${TUNE_S:-90}" $py -m agent_bridge tune --model "$model"
-    pass "${tag}_benchmark" "${BENCH_S:-150}" $py -m agent_bridge benchmark --model "$model" \
+    wants tune && pass "${tag}_tune" "${TUNE_S:-90}" $py -m agent_bridge tune --model "$model"
+    wants benchmark && pass "${tag}_benchmark" "${BENCH_S:-150}" $py -m agent_bridge benchmark --model "$model" \
       --contents refactor,edit,chat --trials "$trials" "${budget[@]}" --json-file "$out/${tag}_benchmark.json"
-    pass "${tag}_concurrency" "${CONC_S:-120}" $py scripts/bench_concurrency.py --model "$model" \
+    wants concurrency && pass "${tag}_concurrency" "${CONC_S:-120}" $py scripts/bench_concurrency.py --model "$model" \
       --contents chat,refactor --concurrency 1,4,8 --trials "$trials" --max-tokens "${MAX_TOKENS:-128}" \
       --no-http --tune --json-file "$out/${tag}_concurrency.json"
-    [ "${KEEP:-0}" = 1 ] || rm -rf "$model"
+    wants prefill && pass "${tag}_prefill" "${PREFILL_S:-180}" $py scripts/profile_prefill_gpu.py --model "$model" \
+      --chunks 2048,4096 --skip dequantized
+    if wants replay; then
+      for fixture in ${FIXTURES:-rename-session long-session}; do
+        name=$(basename "$fixture" .jsonl)
+        pass "${tag}_replay_$name" "${REPLAY_S:-200}" $py scripts/replay_agent.py --fixtures "$fixture" \
+          --model "$model" --no-restarts --context-window 65536 --work-dir "$models_dir/replay-$tag-$name" \
+          --json "$out/${tag}_replay_$name.json"
+      done
+    fi
+    [ "${KEEP:-0}" = 1 ] || rm -rf "$model" "$models_dir/replay-$tag-"*
   done
 done
 log "all passes done"

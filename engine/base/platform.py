@@ -259,6 +259,14 @@ def describe_platform() -> dict:
     return info
 
 
+def on_cuda() -> bool:
+    """Is MLX computing on an NVIDIA GPU (MLX CUDA)? Kernel choices measured there key on it."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu
+
+
 def device_name() -> str:
     """The compute device in words; on CPU the BLAS too (it changes matmul speed 30x)."""
     import mlx.core as mx

@@ -18,6 +18,7 @@ import os
 
 import mlx.core as mx
 
+from engine.base.platform import on_cuda
 from engine.kernels.cpu_attention import MAX_WIDTH
 
 _original = None
@@ -73,9 +74,7 @@ def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **k
 
 def wanted() -> bool:
     """MLX CUDA (cuDNN's graphs are built per shape; Metal's kernels are not), unless turned off."""
-    cuda = getattr(mx, "cuda", None)
-    on_cuda = cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu
-    return on_cuda and os.environ.get("MLX_DSPARK_GPU_ATTENTION") != "0"
+    return on_cuda() and os.environ.get("MLX_DSPARK_GPU_ATTENTION") != "0"
 
 
 def install() -> bool:

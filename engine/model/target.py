@@ -24,7 +24,7 @@ from engine.base.errors import ModelLoadError
 from engine.base.platform import physical_memory_bytes
 from engine.base.ranks import Ranks, world
 from engine.caches.rollback import supports_drafts
-from engine.kernels import cpu_swiglu, gated_delta_chunked, gpu_attention
+from engine.kernels import cpu_swiglu, gated_delta_chunked, gpu_attention, wide_dequantize
 from engine.kernels.attention_crossover import install_for
 from engine.model.config import dtype_name
 from engine.model.split import check_parts_agree, split_model
@@ -298,6 +298,7 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
         cpu_swiglu.install_for(target)  # and the MLP's activation in a compiled kernel (engine/kernels/cpu_swiglu.py)
     gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)
     gpu_attention.install()  # MLX CUDA: verify forwards' attention without a cuDNN graph per shape
+    wide_dequantize.install()  # MLX CUDA: prefill chunks through dequantized weights
     return target
 
 

@@ -14,15 +14,19 @@ import time
 from pathlib import Path
 
 from engine.base.measurements import MeasurementStore, cached_or_measured
-from engine.base.platform import device_name
+from engine.base.platform import device_name, on_cuda
 from engine.decoding.verify import prefill
 from engine.kernels.attention_crossover import install_for
 from engine.tuning.attention_tune import tune_attention
 
-FORMAT = 1
+FORMAT = 2  # 2: wider candidates on MLX CUDA, prefill through wide_dequantize
 DEFAULT_CHUNK = 1024  # 4096-token prefill, bundled model: 256 18.8 s, 512 13.9, 1024 13.2, 2048 21.0 (load 10)
 CANDIDATES = (256, 512, 1024, 2048)
 MEASURE_TOKENS = 4096
+# MLX CUDA (H200, 8-bit 8B yardstick, 16,384 tokens, wide_dequantize): 2048 0.68 s, 4096 0.55 s
+CUDA_DEFAULT_CHUNK = 4096
+CUDA_CANDIDATES = (1024, 2048, 4096)
+CUDA_MEASURE_TOKENS = 8192
 CHUNKS = MeasurementStore("prefill-chunk")  # prefill-chunk-<digest of key>.json
 
 
@@ -49,11 +53,17 @@ def time_prefill(target, tokens: list[int], chunk: int) -> float:
     return time.perf_counter() - t0
 
 
+def default_chunk() -> int:
+    return CUDA_DEFAULT_CHUNK if on_cuda() else DEFAULT_CHUNK
+
+
 def measure_chunk(target, candidates=None, tokens: int | None = None, seed: int = 0) -> dict:
     """Prefill the same random `tokens` at each candidate width; the fastest (best of two) wins."""
     import numpy as np
 
-    candidates, tokens = candidates or CANDIDATES, tokens or MEASURE_TOKENS
+    cuda = on_cuda()
+    candidates = candidates or (CUDA_CANDIDATES if cuda else CANDIDATES)
+    tokens = tokens or (CUDA_MEASURE_TOKENS if cuda else MEASURE_TOKENS)
     n = min(tokens, target.context_window - 1)
     ids = np.random.default_rng(seed).integers(0, target.vocab_size, size=n).tolist()
     time_prefill(target, ids[: min(n, 256)], 256)  # warm up
@@ -80,9 +90,9 @@ def tune_chunk(target, refresh: bool = False) -> dict:
 
 
 def chunk_for(target) -> int:
-    """The measured chunk for this target here, else the default."""
+    """The measured chunk for this target here, else the device's default."""
     found = load_chunk(chunk_key(target))
-    return found["chunk"] if found else DEFAULT_CHUNK
+    return found["chunk"] if found else default_chunk()
 
 
 def tune_prefill(target, refresh: bool = False) -> dict:

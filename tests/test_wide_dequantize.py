@@ -1,0 +1,92 @@
+"""Prefill chunks through dequantized weights (engine/kernels/wide_dequantize.py), checked on any
+device: the same values as the quantized kernel, taken only by prefill forwards of MIN_ROWS tokens
+or more, and a prefill through it filling the cache the quantized kernels fill. On MLX CUDA it is
+on by default; here the tests turn it on with MLX_DSPARK_WIDE_DEQUANTIZE=1."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine.base.platform import on_cuda
+from engine.decoding.verify import prefill
+from engine.kernels import wide_dequantize
+from engine.model.target import load_target
+from test_quantized import quantise
+from tiny_models import build_tiny_model
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """wide_dequantize installed, with a count of the forwards it took."""
+    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
+    taken = []
+    real = wide_dequantize.linear
+    monkeypatch.setattr(wide_dequantize, "linear", lambda layer, x: taken.append(x.shape) or real(layer, x))
+    assert wide_dequantize.install()
+    yield taken
+    wide_dequantize.uninstall()
+
+
+@pytest.mark.parametrize("bits,mode", [(4, "affine"), (8, "affine"), (4, "mxfp4")])
+def test_dequantized_weights_give_the_quantized_kernels_values(bits, mode):
+    mx.random.seed(bits)
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(256, 96, bias=mode == "affine"), group_size=32, bits=bits,
+                                           mode=mode)
+    x = mx.random.normal((2, 300, 256))
+    want = layer(x)
+    got = wide_dequantize.linear(layer, x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_only_wide_prefill_forwards_take_it(routed):
+    layer = nn.QuantizedLinear(64, 32, bits=8)
+    rows = wide_dequantize.MIN_ROWS
+    layer(mx.zeros((1, rows, 64)))  # not in a prefill: a verify or mlx-lm's own loop
+    assert routed == []
+    with wide_dequantize.prefilling():
+        layer(mx.zeros((1, rows - 1, 64)))  # a short last chunk: quantized kernels
+        assert routed == []
+        layer(mx.zeros((1, rows, 64)))
+        layer(mx.zeros((2, rows // 2, 64)))  # rows over the batch count too
+        other = threading.Thread(target=lambda: layer(mx.zeros((1, rows, 64))))  # another thread's forwards
+        other.start()
+        other.join()
+    assert routed == [(1, rows, 64), (2, rows // 2, 64)]
+    layer(mx.zeros((1, rows, 64)))
+    assert len(routed) == 2
+
+
+def test_off_unless_on_cuda_or_asked(monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "0")
+    assert not wide_dequantize.wanted() and wide_dequantize.install() is False
+    assert nn.QuantizedLinear.__call__ is not wide_dequantize._routed
+    monkeypatch.delenv("MLX_DSPARK_WIDE_DEQUANTIZE")
+    assert wide_dequantize.wanted() == on_cuda()
+
+
+def test_a_prefill_through_it_fills_the_same_cache(tmp_path, monkeypatch, routed):
+    monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")  # keep the quantized layers on this CPU
+    path = quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8)
+    target = load_target(path)
+    tokens = np.random.default_rng(0).integers(0, target.vocab_size, size=2 * wide_dequantize.MIN_ROWS + 40).tolist()
+
+    def filled():
+        cache = target.make_cache()
+        prefill(target, cache, tokens, chunk_size=wide_dequantize.MIN_ROWS)
+        logits = target.forward(tokens[-1:], cache)
+        mx.eval(logits)
+        return [np.array(a) for c in cache for a in c.state], np.array(logits)
+
+    wide_states, wide_logits = filled()
+    assert len(routed) > 0  # the two full chunks went through it, the last 40 tokens did not
+    wide_dequantize.uninstall()
+    states, logits = filled()
+    for a, b in zip(wide_states, states):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(wide_logits, logits, rtol=1e-4, atol=1e-4)
