@@ -75,8 +75,8 @@ def test_the_widened_model_generates_the_source_models_tokens(models, kind):
         assert mx.allclose(logits, source(mx.array([ids]))[0], atol=2e-3, rtol=1e-4).item()
 
 
-def test_the_moe_is_a_real_moe_whose_tokens_spread_over_the_experts(models):
-    moe, tok = models["moe"], models["tokenizer"]
+def router_logits(moe, ids: list[int]) -> list[mx.array]:
+    """Each layer's router logits for `ids` (the real routers, wrapped for one forward pass)."""
     seen = []
 
     class Router(nn.Module):  # the real router, its logits kept
@@ -92,11 +92,17 @@ def test_the_moe_is_a_real_moe_whose_tokens_spread_over_the_experts(models):
     try:
         for layer in moe.layers:
             layer.mlp.gate = Router(layer.mlp.gate)
-        ids = tok.encode(PROMPTS[0] + "    return text.replace(old, new)\n")
         moe(mx.array([ids]))
     finally:
         for layer, gate in zip(moe.layers, gates):
             layer.mlp.gate = gate
+    return seen
+
+
+def test_the_moe_is_a_real_moe_whose_tokens_spread_over_the_experts(models):
+    moe, tok = models["moe"], models["tokenizer"]
+    ids = tok.encode(PROMPTS[0] + "    return text.replace(old, new)\n")
+    seen = router_logits(moe, ids)
     assert len(seen) == 8
     experts = moe.layers[0].mlp.switch_mlp.gate_proj.weight
     assert experts.shape == (8, 1024, 512) and mx.array_equal(experts[0], experts[7]).item()  # identical experts
@@ -155,3 +161,175 @@ def test_quantised_as_written_is_what_mlx_lm_quantize_makes(models, tmp_path):
 def test_shapes_that_cant_hold_the_source_are_refused(sizes, complaint):
     with pytest.raises(ValueError, match=complaint):
         shape(**dict(SMALL, **sizes))
+
+
+# ---- the qwen3_5 hybrid (training/widen_hybrid.py), from a tiny random source: no trained one is bundled
+
+from tiny_models import FAMILIES, build_family_model, build_tiny_model  # noqa: E402
+from widen_hybrid import (hybrid_layer_plan, hybrid_param_count, hybrid_source_shape,  # noqa: E402
+                          hybrid_target_shape, layer_kinds, widen_hybrid, widened_hybrid_config)
+
+# the source: hidden 64, 2 layers (Gated DeltaNet, then gated attention), attention 4/2 heads of 16,
+# Gated DeltaNet 2 key heads and 4 value heads of 16, MLP 128. Every axis moves, and the layer pattern too.
+HYBRID_SMALL = dict(hidden=192, layers=6, full_attention_interval=3, heads=8, kv_heads=4, head_dim=32,
+                    intermediate=256, linear_key_heads=4, linear_key_head_dim=32, linear_value_heads=8,
+                    linear_value_head_dim=32)
+HYBRID_MOE = dict(HYBRID_SMALL, experts=8, experts_per_token=2, moe_intermediate=128, shared_intermediate=64)
+HYBRID_TOKENS = 24
+
+
+def hybrid_shape(src_dir: Path, name: str | None = None, **sizes) -> dict:
+    return hybrid_target_shape(hybrid_source_shape(json.loads((src_dir / "config.json").read_text())), name, **sizes)
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    """A tiny random qwen3_5, a wider dense qwen3_5, and a qwen3_5_moe built by the command line."""
+    base = tmp_path_factory.mktemp("widen_hybrid")
+    source_dir = build_family_model(base / "source", "qwen3_5", seed=7)
+    widen_hybrid(source_dir, base / "dense", hybrid_shape(source_dir, **HYBRID_SMALL), dtype="float32")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in HYBRID_MOE.items()]
+    subprocess.run([sys.executable, str(ROOT / "training" / "widen_hybrid.py"), str(source_dir), str(base / "moe"),
+                    *flags, "--dtype", "float32"], check=True, capture_output=True)
+    source, tokenizer = load(str(source_dir))
+    float32(source)
+    expected = [greedy(source, tokenizer.encode(p), HYBRID_TOKENS) for p in PROMPTS]
+    return {"source": source, "source_dir": source_dir, "expected": expected, "tokenizer": tokenizer, "dir": base,
+            "dense": load(str(base / "dense"))[0], "moe": load(str(base / "moe"))[0]}
+
+
+def assert_same_function(wide, source, tok, expected):
+    first = tok.encode(PROMPTS[0])
+    assert greedy(wide, first, HYBRID_TOKENS) == expected[0]  # decoding with its caches (conv, recurrent state, KV)
+    for prompt, tokens in zip(PROMPTS, expected):
+        ids = tok.encode(prompt) + tokens  # one pass: greedy picks each of them again
+        logits = wide(mx.array([ids]))[0]
+        assert mx.argmax(logits[-len(tokens) - 1:-1], axis=-1).tolist() == tokens
+        assert mx.allclose(logits, source(mx.array([ids]))[0], atol=1e-3, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_widened_hybrid_generates_the_source_models_tokens(hybrids, kind):
+    wide = hybrids[kind]
+    args = wide.language_model.args
+    assert (args.hidden_size, len(wide.layers), args.linear_num_value_heads) == (192, 6, 8)  # really wider and deeper
+    assert [layer.is_linear for layer in wide.layers] == [True, True, False] * 2
+    assert_same_function(wide, hybrids["source"], hybrids["tokenizer"], hybrids["expected"])
+
+
+def test_a_tied_source_with_both_layer_kinds_in_a_new_pattern(tmp_path):
+    """6 layers with full attention every 3rd into 10 with every 4th; tied embeddings, as the hybrid reference."""
+    extra = dict(FAMILIES["qwen3_5"][1], num_hidden_layers=6, full_attention_interval=3, tie_word_embeddings=True)
+    source_dir = build_tiny_model(tmp_path / "source", arch="qwen3_5", seed=3, extra=extra)
+    shape = hybrid_shape(source_dir, **dict(HYBRID_MOE, layers=10, full_attention_interval=4))
+    assert [i for i, (_, copy) in enumerate(hybrid_layer_plan(hybrid_source_shape(json.loads(
+        (source_dir / "config.json").read_text())), shape)) if not copy] == [0, 1, 3, 5, 6, 7]  # in order, own kind
+    widen_hybrid(source_dir, tmp_path / "wide", shape, dtype="float32")
+    source, tok = load(str(source_dir))
+    expected = [greedy(source, tok.encode(p), HYBRID_TOKENS) for p in PROMPTS]
+    assert_same_function(load(str(tmp_path / "wide"))[0], source, tok, expected)
+
+
+def test_the_hybrid_moe_routes_tokens_over_several_experts(hybrids):
+    moe, tok = hybrids["moe"], hybrids["tokenizer"]
+    ids = tok.encode(PROMPTS[0] + "    return text.replace(old, new)\n")
+    seen = router_logits(moe, ids)
+    assert len(seen) == 6
+    mlp = moe.layers[0].mlp
+    assert mlp.switch_mlp.gate_proj.weight.shape == (8, 128, 192)
+    assert mx.array_equal(mlp.switch_mlp.up_proj.weight[0], mlp.switch_mlp.up_proj.weight[7]).item()
+    for logits in seen:
+        top2 = mx.argpartition(-logits[0], kth=1, axis=-1)[:, :2].tolist()
+        assert len({frozenset(t) for t in top2}) >= len(ids) // 4
+        assert len({e for t in top2 for e in t}) >= 6  # most experts see some token
+
+
+def test_the_hybrid_flags_make_the_config_mlx_lm_loads(hybrids):
+    config = json.loads((hybrids["dir"] / "moe" / "config.json").read_text())
+    text = config["text_config"]
+    assert config["model_type"] == "qwen3_5_moe" and text["model_type"] == "qwen3_5_moe_text"
+    assert (text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"],
+            text["shared_expert_intermediate_size"]) == (8, 2, 128, 64)
+    args = hybrids["moe"].language_model.args
+    assert (args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.linear_num_key_heads,
+            args.linear_key_head_dim, args.linear_value_head_dim, args.full_attention_interval) == (8, 4, 32, 4, 32, 32, 3)
+    # the source's Gated DeltaNet layer is layer 0, its attention layer 2; the rest pass the residual through
+    for i, layer in enumerate(hybrids["moe"].layers):
+        mixer = layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
+        copy = i not in (0, 2)
+        assert (mx.abs(mixer.weight).max().item() == 0) == copy
+        assert (mx.abs(layer.mlp.switch_mlp.down_proj.weight).max().item() == 0) == copy
+        assert mx.abs(layer.mlp.shared_expert.down_proj.weight).max().item() == 0  # the shared expert adds 0
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_hybrid_parameter_count_from_the_config_is_the_written_models(hybrids, kind):
+    config = json.loads((hybrids["dir"] / kind / "config.json").read_text())
+    written = sum(v.size for _, v in tree_flatten(hybrids[kind].parameters()))
+    assert hybrid_param_count(config)["total"] == written
+
+
+def test_the_named_hybrid_shape_has_qwen3_6_35b_a3bs_size(hybrids):
+    source_config = json.loads((hybrids["source_dir"] / "config.json").read_text())
+    src = hybrid_source_shape(source_config)
+    shape = hybrid_target_shape(src, "qwen3.6-35b-a3b")
+    config = widened_hybrid_config(source_config, src, shape, "bfloat16", 8)
+    text = config["text_config"]
+    assert (text["num_hidden_layers"], text["hidden_size"], text["num_experts"], text["num_experts_per_tok"],
+            text["moe_intermediate_size"], text["shared_expert_intermediate_size"]) == (40, 2048, 256, 8, 512, 512)
+    assert layer_kinds(40, text["full_attention_interval"]).count("full_attention") == 10
+    real = dict(config, text_config=dict(text, vocab_size=248320, tie_word_embeddings=False))
+    counts = hybrid_param_count(real)  # Qwen's own vocabulary: the published 35B total, 3B active
+    assert (round(counts["total"] / 1e9), round(counts["active"] / 1e9)) == (35, 3)
+    # the hybrid reference (6 layers at 384, MLP 896, full attention every 3rd): experts widened to hold its MLP,
+    # its layers in order on layers of their own kind
+    reference = dict(src, hidden=384, layers=6, full_attention_interval=3, heads=6, kv_heads=2, head_dim=64,
+                     intermediate=896, linear_key_heads=4, linear_key_head_dim=64, linear_value_heads=8,
+                     linear_value_head_dim=32)
+    wide = hybrid_target_shape(reference, "qwen3.6-35b-a3b")
+    assert (wide["moe_intermediate"], wide["experts_widened_from"]) == (896, 512)
+    plan = hybrid_layer_plan(reference, wide)
+    assert [(i, old) for i, (old, copy) in enumerate(plan) if not copy] == [(0, 0), (6, 1), (11, 2), (20, 3),
+                                                                          (26, 4), (31, 5)]
+
+
+def test_hybrid_quantised_as_written_is_what_mlx_lm_quantize_makes(hybrids, tmp_path):
+    widen_hybrid(hybrids["source_dir"], tmp_path / "q8", hybrid_shape(hybrids["source_dir"], **HYBRID_MOE),
+                 dtype="float32", q_bits=8)
+    mine, tok = load(str(tmp_path / "q8"))
+    config = json.loads((hybrids["dir"] / "moe" / "config.json").read_text())
+    float_model, _ = load(str(hybrids["dir"] / "moe"))
+    theirs, their_config = quantize_model(float_model, config, 64, 8)
+    mine_config = json.loads((tmp_path / "q8" / "config.json").read_text())
+    assert mine_config["quantization"] == their_config["quantization"]  # routers and shared gates at 8, per layer
+    ours, reference = dict(tree_flatten(mine.parameters())), dict(tree_flatten(theirs.parameters()))
+    assert ours.keys() == reference.keys()
+    assert all(mx.array_equal(ours[k], reference[k]).item() for k in ours)
+    # it runs (a random tiny model's near-tied logits make 8-bit tokens differ from float ones after a few)
+    assert len(greedy(mine, tok.encode(PROMPTS[0]), 8)) == 8
+
+
+def test_norm_eps_only_nearly_right_would_change_the_hybrids_output(hybrids, tmp_path, monkeypatch):
+    """widen.py's way (eps * d/D, no rescaled residual) leaves the gated norm's eps off by (dv'/dv)(dk'/dk)
+    times, and q/k norms' by hd'/hd: next to this model's small activations that moves the logits."""
+    import widen_hybrid
+
+    monkeypatch.setattr(widen_hybrid, "norm_scales", lambda src, t: {
+        "eps": src["hidden"] / t["hidden"], "residual": 1.0, "qk": 1.0})
+    widen_hybrid.widen_hybrid(hybrids["source_dir"], tmp_path / "near",
+                              hybrid_shape(hybrids["source_dir"], **HYBRID_SMALL), dtype="float32")
+    ids = mx.array([hybrids["tokenizer"].encode(PROMPTS[0])])
+    near = load(str(tmp_path / "near"))[0](ids)
+    assert mx.abs(near - hybrids["source"](ids)).max().item() > 0.05
+
+
+@pytest.mark.parametrize("sizes, complaint", [
+    (dict(linear_key_heads=8, linear_value_heads=8), "group of 1 value heads can't hold the source's 2"),
+    (dict(linear_value_head_dim=8), "below the source's"),
+    (dict(head_dim=24), "not a multiple"),
+    (dict(layers=2, full_attention_interval=1), "don't fit in order"),
+    (dict(experts=8, moe_intermediate=64), "can't hold the source's MLP of 128"),
+])
+def test_hybrid_shapes_that_cant_hold_the_source_are_refused(hybrids, sizes, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        hybrid_shape(hybrids["source_dir"], **dict(HYBRID_SMALL, **sizes))

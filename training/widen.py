@@ -3,6 +3,7 @@
     python training/widen.py engine/reference_model /tmp/q8b --shape qwen3-8b --q-bits 8
     python training/widen.py engine/reference_model /tmp/moe --shape qwen3-30b-a3b --q-bits 8
     python training/widen.py SRC OUT --hidden 512 --layers 8 --experts 8 --experts-per-token 2 --dtype float32
+    python training/widen_hybrid.py HYBRID_SRC /tmp/q36 --shape qwen3.6-35b-a3b --q-bits 8
 
 A yardstick at real cost: every matrix has the big model's shape (so a forward pass reads as
 many bytes and does as many FLOPs), yet the output is the small model's, so drafting accepts
@@ -64,6 +65,8 @@ SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate
               "experts", "experts_per_token", "moe_intermediate")
 GROUP_SIZE = 64
 ROUTER_BITS = 8  # mlx-lm's qwen3_moe quant_predicate keeps the router at 8 bits
+GATES = ("mlp.gate.weight", "shared_expert_gate.weight")  # routers, and qwen3_5_moe's shared-expert gates
+FLOAT32 = ("A_log",)  # Gated DeltaNet's decay: mlx-lm's qwen3_5 cast_predicate never casts it
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
@@ -232,13 +235,13 @@ class ShardWriter:
         self.count = 0
 
     def tensors(self, name: str, v: np.ndarray) -> dict[str, mx.array]:
-        a = mx.array(v).astype(self.dtype)
+        a = mx.array(v).astype(mx.float32 if name.endswith(FLOAT32) else self.dtype)
         stacked = ".switch_mlp." in name
         prefix = name[: -len(".weight")]
         quantise = self.q_bits and v.ndim == 2 and name.endswith(".weight") and v.shape[-1] % GROUP_SIZE == 0
         if not quantise:
             return {name: self.stack(a) if stacked else a}
-        bits = ROUTER_BITS if name.endswith("mlp.gate.weight") else self.q_bits
+        bits = ROUTER_BITS if name.endswith(GATES) else self.q_bits
         wq, scales, biases = mx.quantize(a, group_size=GROUP_SIZE, bits=bits)
         parts = {f"{prefix}.weight": wq, f"{prefix}.scales": scales, f"{prefix}.biases": biases}
         return {k: self.stack(p) for k, p in parts.items()} if stacked else parts
@@ -309,19 +312,27 @@ def widen(src_dir: Path, out: Path, shape: dict, dtype: str = "bfloat16", q_bits
     return config
 
 
+def add_common_flags(ap: argparse.ArgumentParser) -> None:
+    """The output's flags, shared with widen_hybrid.py's command."""
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--q-bits", type=int, choices=(4, 8), help="quantise as written (mlx-lm affine, group 64)")
+    ap.add_argument("--seed", type=int, default=0, help="the routers' random weights")
+    ap.add_argument("--router-std", type=float, default=0.02)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="A qwen3_5 hybrid is widened by training/widen_hybrid.py.")
     ap.add_argument("src", type=Path, help="unquantised qwen3 model directory (e.g. engine/reference_model)")
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a named target shape; the flags below override it")
     for key in SHAPE_KEYS:
         ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    ap.add_argument("--q-bits", type=int, choices=(4, 8), help="quantise as written (mlx-lm affine, group 64)")
-    ap.add_argument("--seed", type=int, default=0, help="the routers' random weights")
-    ap.add_argument("--router-std", type=float, default=0.02)
+    add_common_flags(ap)
     args = ap.parse_args()
     src_config = json.loads((args.src / "config.json").read_text())
+    if src_config.get("model_type") == "qwen3_5":
+        raise SystemExit(f"widen: {args.src} is a qwen3_5 hybrid: use training/widen_hybrid.py")
     try:
         shape = target_shape(source_shape(src_config), args.shape, **{k: getattr(args, k) for k in SHAPE_KEYS})
         config = widen(args.src, args.out, shape, args.dtype, args.q_bits, args.seed, args.router_std)
