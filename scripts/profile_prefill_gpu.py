@@ -55,26 +55,6 @@ def mlx_lm_prefill(model, ids, chunk: int = 2048):
     return run
 
 
-def ours_prefill(target, ids, chunk: int):
-    import mlx.core as mx
-    from engine.decoding.verify import prefill
-
-    def run():
-        cache = target.make_cache()
-        prefill(target, cache, ids, chunk_size=chunk)
-        mx.eval([c.state for c in cache])
-    return run
-
-
-def flops(target, n: int) -> float:
-    from engine.kernels.attention_crossover import attention_calls
-    from engine.tuning.prefill_estimate import prefill_params
-
-    pairs = n * (n + 1) / 2
-    attention = sum(2.0 * hq * (dk + dv) * pairs for hq, _, dk, dv in attention_calls(target))
-    return 2.0 * prefill_params(target) * n + attention
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -89,11 +69,12 @@ def main() -> None:
 
     from engine import Engine, GenerationRequest, load_target
     from engine.kernels import wide_dequantize
-    from engine.tuning.prefill_chunk import chunk_for
+    from engine.tuning.prefill_chunk import chunk_for, time_prefill
+    from engine.tuning.prefill_estimate import prefill_flops
 
     target = load_target(args.model)
     ids = np.random.default_rng(0).integers(0, target.vocab_size, size=args.tokens).tolist()
-    work = flops(target, len(ids))
+    work = prefill_flops(target, len(ids))["total"]
     picked = chunk_for(target)
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     print(f"model {args.model}; {len(ids)} tokens; {work / 1e15:.3f} PFLOP; MLX {mx.__version__} on "
@@ -109,30 +90,30 @@ def main() -> None:
         row("mlx-lm (2048)", best_of(mlx_lm_prefill(model, ids)))
         del model
     for c in chunks:
-        row(f"ours {c}{' (picked)' if c == picked else ''}", best_of(ours_prefill(target, ids, c)))
+        row(f"ours {c}{' (picked)' if c == picked else ''}", best_of(lambda: time_prefill(target, ids, c)))
     if "quantized" not in skip and wide_dequantize.install():
         wide_dequantize.uninstall()
         try:
             for c in chunks:
-                row(f"ours {c}, quantized kernels", best_of(ours_prefill(target, ids, c)))
+                row(f"ours {c}, quantized kernels", best_of(lambda: time_prefill(target, ids, c)))
         finally:
             wide_dequantize.install()
     if "dequantized" not in skip and "quantization" in target.config:
         plain = load_target(args.model, dequantize=True)
         for c in chunks:
-            row(f"dequantized {c}", best_of(ours_prefill(plain, ids, c)))
+            row(f"dequantized {c}", best_of(lambda: time_prefill(plain, ids, c)))
         del plain
     if "engine" not in skip:
         del target
-        for name, settings in (("no prefix cache", {"prefix_cache": False}), ("RAM tier", {}),
-                               ("disk tier", {"prefix_cache_dir": "DIR"})):
-            with tempfile.TemporaryDirectory() as folder:
-                settings = {k: folder if v == "DIR" else v for k, v in settings.items()}
-                with Engine(args.model, **settings) as engine:
-                    list(engine.generate(GenerationRequest(ids[::-1][:256], max_tokens=1)))  # its own warm-up
-                    t0 = time.perf_counter()
-                    list(engine.generate(GenerationRequest(ids, max_tokens=1)))
-                    row(f"engine first token, {name}", time.perf_counter() - t0)
+        tiers = (("no prefix cache", lambda folder: {"prefix_cache": False}), ("RAM tier", lambda folder: {}),
+                 ("disk tier", lambda folder: {"prefix_cache_dir": folder}))
+        for name, settings in tiers:
+            with tempfile.TemporaryDirectory() as folder, Engine(args.model, **settings(folder)) as engine:
+                list(engine.generate(GenerationRequest(ids[::-1][:256], max_tokens=1)))  # its own warm-up
+                t0 = time.perf_counter()
+                list(engine.generate(GenerationRequest(ids, max_tokens=1)))
+                row(f"engine first token, {name}", time.perf_counter() - t0)
+
 
 if __name__ == "__main__":
     main()

@@ -8,9 +8,10 @@ it (the model's chat template, ChatML for the bundled model), and the same text 
 servers' /v1/completions (streaming, max_tokens 1, greedy). Both servers are started here, one at a
 time, on the same model: on a CPU in float32 (a float32 copy is made for mlx_lm.server) with
 OpenBLAS preloaded; on a GPU the checkpoint as it is, on both sides. Each server gets one warm-up
-request first (a GPU compiles its kernels on first use), not counted. Printed per turn: prompt tokens and each server's time to first token; then the total
-waiting, and for `serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and
-restart (a fresh cache folder at the start). Fixtures that are absent are skipped.
+request first (a GPU compiles its kernels on first use), not counted. Printed per turn: prompt
+tokens and each server's time to first token; then the total waiting, and for `serve` the last
+turn again after a `kill -9` and restart, and after a SIGTERM and restart (a fresh cache folder
+at the start). Fixtures that are absent are skipped.
 
 Split over ranks (issue 32): `--ranks 2 [--split tensor|pipeline] [--delay-ms 5]` starts both
 servers as that many ring ranks on localhost (engine/bench/shaped_link.py, which adds the

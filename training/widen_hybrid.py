@@ -148,7 +148,8 @@ def check_hybrid_shape(src: dict, t: dict) -> None:
     group, group2 = (src["linear_value_heads"] // src["linear_key_heads"],
                      t["linear_value_heads"] // t["linear_key_heads"])
     need(group2 >= group, f"a key head's group of {group2} value heads can't hold the source's {group}")
-    need(t["conv_kernel"] == src["conv_kernel"], f"conv kernel {t['conv_kernel']} is not the source's {src['conv_kernel']}")
+    need(t["conv_kernel"] == src["conv_kernel"],
+         f"conv kernel {t['conv_kernel']} is not the source's {src['conv_kernel']}")
     s = t["head_dim"] // src["head_dim"]
     need(rotary_dims(t, src["rotary_factor"]) == s * rotary_dims(src, src["rotary_factor"]),
          f"head_dim {t['head_dim']} doesn't rotate {s} times the source's {rotary_dims(src, src['rotary_factor'])} "
@@ -215,7 +216,8 @@ def hybrid_layer_plan(src: dict, t: dict) -> list[tuple[int, bool]]:
 def norm_scales(src: dict, t: dict) -> dict:
     """eps'/eps, and the factors on the residual stream and on the queries and keys that make
     every RMSNorm exact with eps' (module docstring)."""
-    eps = (src["linear_value_head_dim"] / t["linear_value_head_dim"]) * (src["linear_key_head_dim"] / t["linear_key_head_dim"])
+    eps = ((src["linear_value_head_dim"] / t["linear_value_head_dim"])
+           * (src["linear_key_head_dim"] / t["linear_key_head_dim"]))
     return {"eps": eps, "residual": math.sqrt(eps * t["hidden"] / src["hidden"]),
             "qk": math.sqrt(eps * t["head_dim"] / src["head_dim"])}
 
@@ -473,7 +475,8 @@ def main() -> None:
     try:
         src_config = json.loads((args.src / "config.json").read_text())
         check_hybrid_source(src_config, args.src)
-        shape = hybrid_target_shape(hybrid_source_shape(src_config), args.shape, **{k: getattr(args, k) for k in HYBRID_KEYS})
+        given = {k: getattr(args, k) for k in HYBRID_KEYS}
+        shape = hybrid_target_shape(hybrid_source_shape(src_config), args.shape, **given)
         config = widen_hybrid(args.src, args.out, shape, args.dtype, args.q_bits, args.seed, args.router_std)
     except (ValueError, OSError) as e:
         raise SystemExit(f"widen_hybrid: {e}")

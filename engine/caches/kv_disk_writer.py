@@ -5,7 +5,8 @@ MLX) and goes on; writer threads take them in order (several where the machine h
 cores: a file's CRC, write and fsync each wait on one thing, and a fast disk takes several
 at once). Each file is written to a temp name, fsync'd, renamed to its final name (which
 carries the digest of its bytes: `FileDigest`, a CRC-32 per 8 MiB chunk, so a restore checks
-the chunks on several threads) and the folder fsync'd, so a file either is whole under its final name or is not there.
+the chunks on several threads) and the folder fsync'd, so a file either is whole under its
+final name or is not there.
 A process killed at any moment loses only what was still queued; a torn temp file is
 never read (kv_disk skips it, and any file whose digest does not match).
 

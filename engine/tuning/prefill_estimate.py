@@ -115,7 +115,8 @@ def time_chunk_at(target, depth: int, ids: list[int], calls) -> float:
             c.update_and_fetch(mx.random.normal((1, hkv, depth, dk)), mx.random.normal((1, hkv, depth, dv)))
         mx.eval([c.state for c in cache])
     t0 = time.perf_counter()
-    with cpu_attention.last_call_unread(unread_last_call(target, cache)), wide_dequantize.prefilling():  # as prefill() runs it
+    unread = unread_last_call(target, cache)
+    with cpu_attention.last_call_unread(unread), wide_dequantize.prefilling():  # as prefill() runs it
         target.forward(ids, cache)
     mx.eval([c.state for c in cache])
     return time.perf_counter() - t0
