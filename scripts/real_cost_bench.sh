@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The yardsticks at real cost on a GPU (MLX CUDA or Metal): the bundled model widened to Qwen3-8B's
-# shape and to Qwen3-30B-A3B's MoE shape (training/widen.py, quantised as written), then for each
+# shape and to Qwen3-30B-A3B's MoE shape (training/widen.py, quantised as written), the bundled hybrid
+# to Qwen3.6-35B-A3B's (training/widen_hybrid.py), then for each
 # `benchmark --contents refactor,edit,chat` against mlx-lm, the concurrency benchmark (1, 4, 8
 # streams), a 16k-token cold prefill against mlx-lm's (scripts/profile_prefill_gpu.py) and the
 # agent sessions against mlx_lm.server (scripts/replay_agent.py, both fixtures). From the repository root:
@@ -17,9 +18,9 @@
 # pass (`tune`) measures the verify cost curve and prefill chunk into the cache and compiles the
 # kernels, so neither is charged to the benchmark's first measured side (which also alternates
 # who goes first); the concurrency benchmark warms up by itself as well.
-# Environment: SHAPES ("qwen3-8b qwen3-30b-a3b"), QBITS ("8"; "4 8" for both), PASSES (which
+# Environment: SHAPES ("qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b"), QBITS ("8"; "4 8" for both), PASSES (which
 # passes, default "tune benchmark concurrency prefill replay"; all of them take about 15 minutes a
-# model on an H200, so a machine whose calls end at 10 minutes runs them in two calls with KEEP=1),
+# model on an H200, 45 for the three, so a machine whose calls end at 10 minutes runs them in two calls with KEEP=1),
 # FIXTURES (replay_agent's names or .jsonl paths: "rename-session long-session", read from
 # ../shared/fixtures), TRIALS (2), MAX_TOKENS (unset: each content's own budget), PYTHON (python3),
 # MODELS_DIR, KEEP, and the caps PREFILL_S (180), REPLAY_S (200); a PYTHONPATH given (an MLX build
@@ -55,13 +56,17 @@ $py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(),
   | tee -a "$out/progress.log"
 git log -1 --format='commit %H %cI' 2>/dev/null | tee -a "$out/progress.log"
 df -h "$(dirname "$models_dir")" | tail -1 | tee -a "$out/progress.log"
-for shape in ${SHAPES:-qwen3-8b qwen3-30b-a3b}; do
+for shape in ${SHAPES:-qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b}; do
   for bits in ${QBITS:-8}; do
     tag="${shape}_q$bits"
     model="$models_dir/$tag"
+    case "$shape" in  # the hybrid shapes widen the bundled hybrid, the others the bundled qwen3
+      qwen3.6-*) build=(training/widen_hybrid.py engine/reference_model_hybrid) ;;
+      *) build=(training/widen.py engine/reference_model) ;;
+    esac
     if [ ! -e "$model/config.json" ]; then
       rm -rf "$model"
-      pass "${tag}_build" "${BUILD_S:-180}" $py training/widen.py engine/reference_model "$model" \
+      pass "${tag}_build" "${BUILD_S:-180}" $py "${build[@]}" "$model" \
         --shape "$shape" --q-bits "$bits" --dtype bfloat16 || { rm -rf "$model"; continue; }
     fi
     du -sh "$model" | tee -a "$out/progress.log"

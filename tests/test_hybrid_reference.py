@@ -2,8 +2,8 @@
 
 Its name resolves to its folder wherever `--model` is taken (Engine), and the model list shows
 it once its weights are there. The naming and listing are tested on a tiny random `qwen3_5`
-put in its place; the tests on the real weights (lossless copy of a rename with lookup
-drafting, the `refactor` benchmark content, the package size) skip until they are installed.
+put in its place; the tests on the real weights (committed: lossless copy of a rename with lookup
+drafting, the `refactor` benchmark content, the package size) skip only in a checkout without them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from test_lossless import lookup_ids, mlx_lm_greedy
 from tiny_models import build_family_model
 
 REAL = models.HYBRID_REFERENCE_MODEL_DIR
-real_weights = pytest.mark.skipif(not models.has_weights(REAL), reason="dspark-ref-hybrid weights not installed")
+real_weights = pytest.mark.skipif(not models.has_weights(REAL), reason="dspark-ref-hybrid weights not in this checkout")
 
 
 def test_bundled_names_resolve_to_their_folders():
@@ -62,7 +62,7 @@ def test_listed_and_named_with_weights(stand_in, monkeypatch):
         assert ids == ref
 
 
-# -- on the real weights (skip until installed) -----------------------------------------
+# -- on the real weights (committed; skip in a checkout without them) ----------------------
 
 @real_weights
 def test_real_package_fits_and_is_listed():

@@ -1,7 +1,8 @@
-"""Prefill chunks through dequantized weights (engine/kernels/wide_dequantize.py), checked on any
-device: the same values as the quantized kernel, taken only by prefill forwards of MIN_ROWS tokens
-or more, and a prefill through it filling the cache the quantized kernels fill. On MLX CUDA it is
-on by default; here the tests turn it on with MLX_DSPARK_WIDE_DEQUANTIZE=1."""
+"""The engine's wide forwards through dequantized weights (engine/kernels/wide_dequantize.py), checked
+on any device: the same values as the quantized kernel, taken only by the engine's forwards (Target's,
+not mlx-lm's own loop over the same model) of `min_rows` rows or more, and a prefill through it
+filling the cache the quantized kernels fill. On MLX CUDA it is on by default; here the
+tests turn it on with MLX_DSPARK_WIDE_DEQUANTIZE=1."""
 
 from __future__ import annotations
 
@@ -20,6 +21,22 @@ from test_quantized import quantise
 from tiny_models import build_tiny_model
 
 
+@pytest.fixture(autouse=True)
+def route_as_found(monkeypatch):
+    """Each test starts with the route off and neither variable set, and leaves it as it found it
+    (on MLX CUDA load_target installed it)."""
+    rows = wide_dequantize.routed_rows()
+    wide_dequantize.uninstall()
+    monkeypatch.delenv("MLX_DSPARK_WIDE_DEQUANTIZE", raising=False)
+    monkeypatch.delenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", raising=False)
+    yield
+    wide_dequantize.uninstall()
+    if rows is not None:
+        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
+        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", str(rows))
+        wide_dequantize.install()
+
+
 @pytest.fixture
 def routed(monkeypatch):
     """wide_dequantize installed, with a count of the forwards it took."""
@@ -29,7 +46,6 @@ def routed(monkeypatch):
     monkeypatch.setattr(wide_dequantize, "linear", lambda layer, x: taken.append(x.shape) or real(layer, x))
     assert wide_dequantize.install()
     yield taken
-    wide_dequantize.uninstall()
 
 
 @pytest.mark.parametrize("bits,mode", [(4, "affine"), (8, "affine"), (4, "mxfp4")])
@@ -44,12 +60,12 @@ def test_dequantized_weights_give_the_quantized_kernels_values(bits, mode):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
-def test_only_wide_prefill_forwards_take_it(routed):
+def test_only_wide_engine_forwards_take_it(routed):
     layer = nn.QuantizedLinear(64, 32, bits=8)
-    rows = wide_dequantize.MIN_ROWS
-    layer(mx.zeros((1, rows, 64)))  # not in a prefill: a verify or mlx-lm's own loop
+    rows = wide_dequantize.routed_rows()
+    layer(mx.zeros((1, rows, 64)))  # not the engine's: mlx-lm's own loop
     assert routed == []
-    with wide_dequantize.prefilling():
+    with wide_dequantize.engine_forward():
         layer(mx.zeros((1, rows - 1, 64)))  # a short last chunk: quantized kernels
         assert routed == []
         layer(mx.zeros((1, rows, 64)))
@@ -74,11 +90,12 @@ def test_a_prefill_through_it_fills_the_same_cache(tmp_path, monkeypatch, routed
     monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")  # keep the quantized layers on this CPU
     path = quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8)
     target = load_target(path)
-    tokens = np.random.default_rng(0).integers(0, target.vocab_size, size=2 * wide_dequantize.MIN_ROWS + 40).tolist()
+    rows = wide_dequantize.routed_rows()
+    tokens = np.random.default_rng(0).integers(0, target.vocab_size, size=2 * rows + 40).tolist()
 
     def filled():
         cache = target.make_cache()
-        prefill(target, cache, tokens, chunk_size=wide_dequantize.MIN_ROWS)
+        prefill(target, cache, tokens, chunk_size=rows)
         logits = target.forward(tokens[-1:], cache)
         mx.eval(logits)
         return [np.array(a) for c in cache for a in c.state], np.array(logits)
@@ -90,3 +107,57 @@ def test_a_prefill_through_it_fills_the_same_cache(tmp_path, monkeypatch, routed
     for a, b in zip(wide_states, states):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(wide_logits, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_from_the_variable(tmp_path, monkeypatch, routed):
+    """A verify pass of `min_rows` tokens through Target takes it, a narrower one and mlx-lm's
+    own call on the same model do not; batched forwards count rows over the batch."""
+    wide_dequantize.uninstall()
+    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", "8")
+    assert wide_dequantize.install() and wide_dequantize.routed_rows() == 8
+    monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
+    target = load_target(quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8))
+    layers = sum(isinstance(m, nn.QuantizedLinear) for _, m in target.model.named_modules())
+    cache = target.make_cache()
+    mx.eval(target.forward(list(range(7)), cache))
+    assert routed == []
+    mx.eval(target.forward(list(range(8)), cache))
+    assert len(routed) == layers and routed[0][-2] == 8
+    routed.clear()
+    mx.eval(target.model(mx.array([list(range(8))]), cache=target.make_cache()))  # mlx-lm's own call
+    assert routed == []
+    caches = target.make_cache()
+    mx.eval(target.forward_batch(mx.zeros((2, 4), dtype=mx.uint32), caches))  # 2 rows of 4: 8 in all
+    assert len(routed) == layers
+
+
+def test_bad_rows_variable_is_a_clear_error(monkeypatch):
+    from engine.base.errors import EngineError
+
+    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
+    for bad in ("many", "\u00b2", "0", "-3"):
+        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", bad)
+        with pytest.raises(EngineError, match="MLX_DSPARK_WIDE_DEQUANTIZE_ROWS must be a whole number"):
+            wide_dequantize.install()
+        assert wide_dequantize.routed_rows() is None
+
+
+def test_cost_curves_are_kept_apart_by_the_route(tmp_path, monkeypatch):
+    """A cost curve or prefill chunk measured with wide forwards dequantized is not reused without
+    them, or at another width."""
+    from engine.tuning.cost_curve import curve_key
+    from engine.tuning.prefill_chunk import chunk_key
+
+    monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
+    target = load_target(quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8))
+    wide_dequantize.uninstall()
+    plain = curve_key(target)
+    plain_chunk = chunk_key(target)
+    assert "wide_dequantize_rows" not in plain and "wide_dequantize_rows" not in plain_chunk
+    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
+    for rows in ("16", "64"):
+        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", rows)
+        wide_dequantize.install()
+        assert curve_key(target) == {**plain, "wide_dequantize_rows": int(rows)}
+        assert chunk_key(target) == {**plain_chunk, "wide_dequantize_rows": int(rows)}
+        wide_dequantize.uninstall()

@@ -333,3 +333,27 @@ def test_norm_eps_only_nearly_right_would_change_the_hybrids_output(hybrids, tmp
 def test_hybrid_shapes_that_cant_hold_the_source_are_refused(hybrids, sizes, complaint):
     with pytest.raises(ValueError, match=complaint):
         hybrid_shape(hybrids["source_dir"], **dict(HYBRID_SMALL, **sizes))
+
+
+REAL_HYBRID = ROOT / "engine" / "reference_model_hybrid"
+# the bundled 8-bit hybrid (6 layers at 384, attention 6/2 heads of 64, Gated DeltaNet 4/8 heads of 64/32,
+# MLP 896) widened every way at a small size, with experts
+REAL_HYBRID_MOE = dict(hidden=512, layers=8, full_attention_interval=4, heads=8, kv_heads=2, head_dim=128,
+                       linear_key_heads=4, linear_key_head_dim=128, linear_value_heads=16, linear_value_head_dim=32,
+                       experts=4, experts_per_token=2, moe_intermediate=896, shared_intermediate=64)
+
+
+@pytest.mark.skipif(not (REAL_HYBRID / "model.safetensors").exists(),
+                    reason="dspark-ref-hybrid weights not in this checkout")
+def test_the_bundled_8_bit_hybrid_widens_to_a_yardstick_computing_it(tmp_path):
+    """From its dequantized values: greedy tokens of the widened MoE equal the bundled model's,
+    which here runs on the same dequantized values in float32."""
+    from mlx_lm.utils import dequantize_model
+
+    widen_hybrid(REAL_HYBRID, tmp_path / "wide", hybrid_shape(REAL_HYBRID, **REAL_HYBRID_MOE), dtype="float32")
+    wide = load(str(tmp_path / "wide"))[0]
+    assert wide.language_model.args.hidden_size == 512 and len(wide.layers) == 8
+    source, tok = load(str(REAL_HYBRID))
+    source = float32(dequantize_model(source))
+    expected = [greedy(source, tok.encode(p), HYBRID_TOKENS) for p in PROMPTS]
+    assert_same_function(wide, source, tok, expected)

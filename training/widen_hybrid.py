@@ -3,11 +3,12 @@
     python training/widen_hybrid.py SRC /tmp/q36 --shape qwen3.6-35b-a3b --q-bits 8
     python training/widen_hybrid.py SRC OUT --hidden 192 --layers 6 --full-attention-interval 3 --experts 8 ...
 
-SRC is any unquantised qwen3_5 directory (mlx-lm's or Hugging Face's layout: it is read through
-mlx-lm's own loader). The target is a `qwen3_5_moe` with `--experts`, else a wider `qwen3_5`.
-widen.py's placements hold (read its docstring first): the source's hidden dims are the first d
-of D, a source head keeps its KV group, extra heads, units and dims are zero where they would
-write to the residual. What is new here:
+SRC is any qwen3_5 directory (mlx-lm's or Hugging Face's layout: it is read through mlx-lm's own
+loader; a quantised one, as the bundled 8-bit `engine/reference_model_hybrid`, is widened from its
+dequantized values, so the yardstick computes what its kernels did). The target is a `qwen3_5_moe`
+with `--experts`, else a wider `qwen3_5`. widen.py's placements hold (read its docstring first):
+the source's hidden dims are the first d of D, a source head keeps its KV group, extra heads,
+units and dims are zero where they would write to the residual. What is new here:
 
 - Every RMSNorm's eps is exact, not only nearly so. One `rms_norm_eps` serves all norms, and the
   Gated DeltaNet's gated norm fixes it (below): eps' = eps * (dv/dv')(dk/dk'). A norm over n' dims
@@ -332,7 +333,8 @@ def strip(w: dict, prefix: str) -> dict:
 
 
 def widened_hybrid_config(src_config: dict, src: dict, t: dict, dtype: str, q_bits: int | None) -> dict:
-    text = dict(text_config_of(src_config))
+    quantized = ("quantization", "quantization_config")  # a flat source holds them beside its text fields
+    text = {k: v for k, v in text_config_of(src_config).items() if k not in quantized}
     text.update(hidden_size=t["hidden"], num_hidden_layers=t["layers"], num_attention_heads=t["heads"],
                 num_key_value_heads=t["kv_heads"], head_dim=t["head_dim"], intermediate_size=t["intermediate"],
                 full_attention_interval=t["full_attention_interval"],
@@ -341,7 +343,7 @@ def widened_hybrid_config(src_config: dict, src: dict, t: dict, dtype: str, q_bi
                 rms_norm_eps=text["rms_norm_eps"] * norm_scales(src, t)["eps"])
     if "layer_types" in text:
         text["layer_types"] = layer_kinds(t["layers"], t["full_attention_interval"])
-    top = {k: v for k, v in src_config.items() if k not in ("text_config", "quantization", "quantization_config")}
+    top = {k: v for k, v in src_config.items() if k not in ("text_config", *quantized)}
     if "text_config" not in src_config:  # a flat source: its text fields move under text_config
         top = {k: top[k] for k in ("tie_word_embeddings", "eos_token_id") if k in top}
     if t["experts"]:
@@ -393,19 +395,21 @@ def hybrid_param_count(config: dict) -> dict:
 
 
 def check_hybrid_source(config: dict, src_dir: Path) -> None:
-    if config.get("model_type") != "qwen3_5" or "quantization" in config or text_config_of(config).get("num_experts"):
-        raise ValueError(f"widen_hybrid takes an unquantised dense qwen3_5 hybrid, not {src_dir} "
-                         f"({config.get('model_type')!r}{', quantised' if 'quantization' in config else ''})")
+    if config.get("model_type") != "qwen3_5" or text_config_of(config).get("num_experts"):
+        raise ValueError(f"widen_hybrid takes a dense qwen3_5 hybrid, not {src_dir} ({config.get('model_type')!r})")
 
 
 def load_hybrid_source(src_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """The source's config and float32 weights under mlx-lm's names (HF layouts sanitised by its loader)."""
+    """The source's config and float32 weights under mlx-lm's names (HF layouts sanitised by its loader).
+    A quantised source (the bundled 8-bit hybrid) gives its dequantized values: what its kernels compute with."""
     import mlx.core as mx
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import dequantize_model, load_model
 
     config = json.loads((src_dir / "config.json").read_text())
     check_hybrid_source(config, src_dir)
     model, _ = load_model(src_dir, lazy=True)
+    if "quantization" in config or "quantization_config" in config:  # mlx-lm quantises from either
+        model = dequantize_model(model)
     weights = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
     return config, weights
 
@@ -465,7 +469,7 @@ def summary(out: Path, config: dict, shape: dict, dtype: str, q_bits: int | None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", type=Path, help="unquantised qwen3_5 model directory")
+    ap.add_argument("src", type=Path, help="qwen3_5 model directory (quantised ones are widened dequantized)")
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", choices=sorted(HYBRID_SHAPES), help="a named target shape; the flags below override it")
     for key in HYBRID_KEYS:

@@ -1,5 +1,6 @@
 """Where models live: the bundled reference models (the qwen3 one is the default; the hybrid
-`dspark-ref-hybrid`, a qwen3_5 with Gated DeltaNet layers, where its weights are installed);
+`dspark-ref-hybrid`, a qwen3_5 with Gated DeltaNet layers, where its weights are present: a checkout
+keeps them);
 `engine/catalog/model_catalog.py` finds the rest."""
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ class BatchCache:
         if taps:
             logits, hidden = target.forward_tapped(x, layers, taps)
         else:
-            logits, hidden = target.model(x, cache=layers), None
+            logits, hidden = target.forward_batch(x, layers), None
         picks = _GreedyPicks(logits)
         for slot, f in zip(slots, forwards):
             w = len(f.tokens)

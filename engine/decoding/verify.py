@@ -25,7 +25,7 @@ from engine.caches.state_capture import widest_capture
 from engine.decoding.batch_verify import Forward
 from engine.decoding.grammar import GrammarState, bit_set, masked, unpack_bits
 from engine.drafting.drafter import Draft, Drafter
-from engine.kernels import cpu_attention, wide_dequantize
+from engine.kernels import cpu_attention
 from engine.kernels.attention_crossover import unread_last_call
 from engine.model.target import Target
 from engine.model.vision import ImageFeatures
@@ -62,15 +62,14 @@ def prefill(
         if cancelled and cancelled():
             raise CancelledError("cancelled during prefill")
         chunk = tokens[start : start + chunk_size]
-        with wide_dequantize.prefilling():
-            if embeddings is not None:
-                target.forward(chunk, cache, embeddings[start : start + chunk_size])
-            elif tap_layers:
-                _, hidden = target.forward_tapped(chunk, cache, tap_layers)
-                on_hidden(hidden)
-            else:
-                with cpu_attention.last_call_unread(unread_last_call(target, cache)):
-                    target.forward(chunk, cache)
+        if embeddings is not None:
+            target.forward(chunk, cache, embeddings[start : start + chunk_size])
+        elif tap_layers:
+            _, hidden = target.forward_tapped(chunk, cache, tap_layers)
+            on_hidden(hidden)
+        else:
+            with cpu_attention.last_call_unread(unread_last_call(target, cache)):
+                target.forward(chunk, cache)
         mx.eval([c.state for c in cache])
         if on_progress:
             on_progress(min(start + chunk_size, total), total)

@@ -86,9 +86,16 @@ class Target:
         `embeddings`: a VLM prompt's image-merged inputs for these tokens (engine/model/vision.py), fed
         instead of the tokens' own. A cache after an M-RoPE image continues at shifted positions."""
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
-        if embeddings is not None:
-            return embeddings.forward(x, cache)
-        return self.model(x[None], cache=position_view(cache))[0]
+        with wide_dequantize.engine_forward():
+            if embeddings is not None:
+                return embeddings.forward(x, cache)
+            return self.model(x[None], cache=position_view(cache))[0]
+
+    def forward_batch(self, tokens: mx.array, caches: list) -> mx.array:
+        """Logits (batch, k, vocab) for rows of `tokens` (batch, k), each on its own cache
+        (engine/caches/batch_cache.py's per-layer views)."""
+        with wide_dequantize.engine_forward():
+            return self.model(tokens, cache=caches)
 
     # -- hidden-state taps (drafter heads read the residual stream) ---------------
 
@@ -149,6 +156,10 @@ class Target:
         re-walked here layer by layer so no second pass is needed."""
         self.check_tappable(layers)
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
+        with wide_dequantize.engine_forward():
+            return self._forward_tapped(x, cache, layers)
+
+    def _forward_tapped(self, x: mx.array, cache: list, layers: tuple[int, ...]) -> tuple[mx.array, mx.array]:
         batched = x.ndim == 2  # (batch, k) tokens: batched verify (engine/decoding/batch_verify.py)
         inner = self.model.model
         h = inner.embed_tokens(x if batched else x[None])
@@ -298,7 +309,7 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
         cpu_swiglu.install_for(target)  # and the MLP's activation in a compiled kernel (engine/kernels/cpu_swiglu.py)
     gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)
     gpu_attention.install()  # MLX CUDA: verify forwards' attention without a cuDNN graph per shape
-    wide_dequantize.install()  # MLX CUDA: prefill chunks through dequantized weights
+    wide_dequantize.install()  # MLX CUDA: wide forwards through dequantized weights
     return target
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from engine.caches.kinds import kind_of
-from engine.kernels import cpu_attention, wide_dequantize
+from engine.kernels import cpu_attention
 from engine.kernels.attention_crossover import attention_calls, unread_last_call
 from engine.tuning.prefill_chunk import time_prefill
 
@@ -116,7 +116,7 @@ def time_chunk_at(target, depth: int, ids: list[int], calls) -> float:
         mx.eval([c.state for c in cache])
     t0 = time.perf_counter()
     unread = unread_last_call(target, cache)
-    with cpu_attention.last_call_unread(unread), wide_dequantize.prefilling():  # as prefill() runs it
+    with cpu_attention.last_call_unread(unread):  # as prefill() runs it
         target.forward(ids, cache)
     mx.eval([c.state for c in cache])
     return time.perf_counter() - t0
