@@ -93,12 +93,20 @@ def target_shape(src: dict, name: str | None = None, **overrides) -> dict:
     return shape
 
 
-def check_shape(src: dict, t: dict) -> None:
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise ValueError(f"can't widen to this shape: {what}")
-    for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate"):
+def need(ok: bool, what: str) -> None:
+    """A shape check: ValueError saying `what` unless `ok`."""
+    if not ok:
+        raise ValueError(f"can't widen to this shape: {what}")
+
+
+def need_at_least(src: dict, t: dict, keys: tuple[str, ...]) -> None:
+    """Every one of `keys` of the target at least the source's."""
+    for key in keys:
         need(t[key] >= src[key], f"{key} {t[key]} is below the source's {src[key]}")
+
+
+def check_shape(src: dict, t: dict) -> None:
+    need_at_least(src, t, ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate"))
     need(t["heads"] % t["kv_heads"] == 0, f"{t['heads']} heads don't split into {t['kv_heads']} KV groups")
     need(t["heads"] // t["kv_heads"] >= src["heads"] // src["kv_heads"],
          f"a KV group of {t['heads'] // t['kv_heads']} query heads can't hold the source's "

@@ -79,7 +79,7 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grow import COPIED  # noqa: E402
 from widen import (DTYPES, GROUP_SIZE, ROUTER_BITS, SHAPE_KEYS, ShardWriter, add_common_flags,  # noqa: E402
-                   check_shape, head_dim_slots, head_places, padded, placed)
+                   check_shape, head_dim_slots, head_places, need, need_at_least, padded, placed)
 
 HYBRID_SHAPES = {
     "qwen3.6-35b-a3b": dict(hidden=2048, layers=40, full_attention_interval=4, heads=16, kv_heads=2, head_dim=256,
@@ -138,12 +138,8 @@ def hybrid_target_shape(src: dict, name: str | None = None, **overrides) -> dict
 
 
 def check_hybrid_shape(src: dict, t: dict) -> None:
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise ValueError(f"can't widen to this shape: {what}")
     check_shape(src, t)  # hidden, attention heads and head dim, MLP, experts: as for qwen3
-    for key in ("linear_key_heads", "linear_key_head_dim", "linear_value_heads", "linear_value_head_dim"):
-        need(t[key] >= src[key], f"{key} {t[key]} is below the source's {src[key]}")
+    need_at_least(src, t, ("linear_key_heads", "linear_key_head_dim", "linear_value_heads", "linear_value_head_dim"))
     need(t["linear_value_heads"] % t["linear_key_heads"] == 0,
          f"{t['linear_value_heads']} value heads don't split into {t['linear_key_heads']} key-head groups")
     group, group2 = (src["linear_value_heads"] // src["linear_key_heads"],

@@ -115,8 +115,7 @@ def time_chunk_at(target, depth: int, ids: list[int], calls) -> float:
             c.update_and_fetch(mx.random.normal((1, hkv, depth, dk)), mx.random.normal((1, hkv, depth, dv)))
         mx.eval([c.state for c in cache])
     t0 = time.perf_counter()
-    unread = unread_last_call(target, cache)
-    with cpu_attention.last_call_unread(unread):  # as prefill() runs it
+    with cpu_attention.last_call_unread(unread_last_call(target, cache)):  # as prefill() runs it
         target.forward(ids, cache)
     mx.eval([c.state for c in cache])
     return time.perf_counter() - t0
