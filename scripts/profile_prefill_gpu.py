@@ -68,7 +68,7 @@ def main() -> None:
     from mlx_lm import load as mlx_lm_load
 
     from engine import Engine, GenerationRequest, load_target
-    from engine.kernels import wide_dequantize
+    from engine.kernels import quantized_route
     from engine.tuning.prefill_chunk import chunk_for, time_prefill
     from engine.tuning.prefill_estimate import prefill_flops
 
@@ -91,13 +91,13 @@ def main() -> None:
         del model
     for c in chunks:
         row(f"ours {c}{' (picked)' if c == picked else ''}", best_of(lambda: time_prefill(target, ids, c)))
-    if "quantized" not in skip and wide_dequantize.install():
-        wide_dequantize.uninstall()
+    if "quantized" not in skip and quantized_route.install():
+        quantized_route.uninstall()
         try:
             for c in chunks:
                 row(f"ours {c}, quantized kernels", best_of(lambda: time_prefill(target, ids, c)))
         finally:
-            wide_dequantize.install()
+            quantized_route.install()
     if "dequantized" not in skip and "quantization" in target.config:
         plain = load_target(args.model, dequantize=True)
         for c in chunks:

@@ -1,13 +1,14 @@
-"""From how many rows a forward through dequantized weights beats the quantized kernels, on a GPU.
+"""Which kernel a quantised forward of each width should take, on a GPU.
 
     python scripts/profile_verify_gpu.py --model DIR [--depth 2048] [--widths 1,2,4,...,512] [--json FILE]
 
-Times the engine's forward of each width at one context depth twice, as tune's cost curve does
-(engine/tuning/cost_curve.py: median of `--repeats` sweeps, each pass rolled back): once through
-MLX's quantized kernels, once with every QuantizedLinear dequantized for the forward
-(engine/kernels/wide_dequantize.py at one row). Prints both with their ratio and the crossover, the
-narrowest width from which the dequantized forward is faster at every wider width measured:
-what `MLX_DSPARK_WIDE_DEQUANTIZE_ROWS` (and wide_dequantize.MIN_ROWS) should be on this device.
+Times the engine's forward of each width at one context depth three times, as tune's cost curve does
+(engine/tuning/cost_curve.py: median of `--repeats` sweeps, each pass rolled back): through MLX's
+quantized kernels; through engine/kernels/narrow_qmm.py where it takes the width (2 to its MAX_ROWS);
+and with every QuantizedLinear dequantized for the forward (engine/kernels/wide_dequantize.py at one
+row). Prints the three with the narrow kernel's reach (the widest width up to which it beats MLX's
+kernels at every width measured: `MLX_DSPARK_NARROW_QMM_ROWS`) and the crossover (the narrowest width
+from which the dequantized forward beats both at every wider width: `MLX_DSPARK_WIDE_DEQUANTIZE_ROWS`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DEFAULT_WIDTHS = "1,2,4,8,16,32,64,128,192,256,384,512"
+DEFAULT_WIDTHS = "1,2,4,8,16,32,48,64,128,256,384,512"
 
 
 def crossover(widths: list[int], quantized: list[float], dequantized: list[float]) -> int | None:
@@ -31,6 +32,18 @@ def crossover(widths: list[int], quantized: list[float], dequantized: list[float
             break
         best = w
     return best
+
+
+def narrow_reach(widths: list[int], quantized: list[float], narrow: list[float]) -> int:
+    """The widest width up to which the narrow kernel beats MLX's at every width from 2 (0: not at 2)."""
+    reach = 0
+    for w, q, n in zip(widths, quantized, narrow):
+        if w < 2:
+            continue
+        if n is None or n >= q:
+            break
+        reach = w
+    return reach
 
 
 def main() -> None:
@@ -46,38 +59,52 @@ def main() -> None:
     import mlx.core as mx
 
     from engine import load_target
-    from engine.kernels import wide_dequantize
+    from engine.base.platform import on_cuda
+    from engine.kernels import narrow_qmm, quantized_route
     from engine.tuning.cost_curve import measure_cost_curve
 
-    os.environ["MLX_DSPARK_WIDE_DEQUANTIZE"] = "1"  # installed by load_target on any device
+    if not on_cuda():
+        sys.exit("this compares MLX CUDA's kernels: run it where MLX computes on an NVIDIA GPU")
+    os.environ["MLX_DSPARK_WIDE_DEQUANTIZE"] = "1"
     target = load_target(args.model)
     if "quantization" not in target.config:
         sys.exit(f"{args.model} runs unquantised here (nothing to dequantize)")
 
-    def curve():
-        seconds = measure_cost_curve(target, widths=widths, depths=(args.depth,), repeats=args.repeats).seconds[0]
-        print("ms:", " ".join(f"w{w}={s * 1e3:.1f}" for w, s in zip(widths, seconds)), flush=True)
+    def curve(wide_rows: int, narrow_rows: int, at=widths):
+        quantized_route.uninstall()
+        os.environ["MLX_DSPARK_WIDE_DEQUANTIZE_ROWS"] = str(wide_rows)
+        os.environ["MLX_DSPARK_NARROW_QMM_ROWS"] = str(narrow_rows)
+        quantized_route.install()
+        seconds = measure_cost_curve(target, widths=at, depths=(args.depth,), repeats=args.repeats).seconds[0]
+        print("ms:", " ".join(f"w{w}={s * 1e3:.1f}" for w, s in zip(at, seconds)), flush=True)
         return seconds
 
-    wide_dequantize.uninstall()
-    quantized = curve()
-    os.environ["MLX_DSPARK_WIDE_DEQUANTIZE_ROWS"] = "1"
-    wide_dequantize.install()
-    dequantized = curve()
-    wide_dequantize.uninstall()
+    never = 1 << 30
+    quantized = curve(never, 0)
+    few = [w for w in widths if w <= narrow_qmm.MAX_ROWS]
+    narrow = dict(zip(few, curve(never, narrow_qmm.MAX_ROWS, few)))
+    narrow = [narrow.get(w) if w >= 2 else None for w in widths]
+    dequantized = curve(1, 0)
+    quantized_route.uninstall()
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     device = info.get("device_name", str(mx.default_device()))
-    cross = crossover(widths, quantized, dequantized)
+    best_below = [min(q, n) if n is not None else q for q, n in zip(quantized, narrow)]
+    cross = crossover(widths, best_below, dequantized)
+    reach = narrow_reach(widths, quantized, narrow)
     print(f"model {args.model}; depth {args.depth}; MLX {mx.__version__} on {device}")
-    print("| width | quantized ms | dequantized ms | dequantized / quantized |\n|---|---|---|---|")
-    for w, q, d in zip(widths, quantized, dequantized):
-        print(f"| {w} | {q * 1e3:.2f} | {d * 1e3:.2f} | {d / q:.2f} |")
+    print("| width | MLX quantized ms | narrow_qmm ms | dequantized ms | narrow / MLX | dequantized / best |")
+    print("|---|---|---|---|---|---|")
+    for w, q, n, d, b in zip(widths, quantized, narrow, dequantized, best_below):
+        n_ms, n_ratio = (f"{n * 1e3:.2f}", f"{n / q:.2f}") if n is not None else ("-", "-")
+        print(f"| {w} | {q * 1e3:.2f} | {n_ms} | {d * 1e3:.2f} | {n_ratio} | {d / b:.2f} |")
+    print(f"narrow reach: {reach or 'none (MLX wins at 2 rows)'}")
     print(f"crossover: {cross if cross is not None else 'none (the quantized kernels win at every width)'}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "device": device, "mlx": mx.__version__, "depth": args.depth,
-            "widths": widths, "quantized_s": quantized, "dequantized_s": dequantized, "crossover": cross,
+            "widths": widths, "quantized_s": quantized, "narrow_s": narrow, "dequantized_s": dequantized,
+            "narrow_reach": reach, "crossover": cross,
         }, indent=2) + "\n")
 
 

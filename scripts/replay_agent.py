@@ -41,8 +41,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-            "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3")
+from engine.base.platform import BLAS_THREAD_TIMEOUT, find_openblas  # noqa: E402
 START_TIMEOUT_S = 600
 WARM_UP = "Say hello."  # each server's first request, not counted (shares no prefix with the sessions)
 
@@ -64,10 +63,10 @@ def load_avg() -> str:
 
 def server_env() -> dict:
     env = {**os.environ, "MLX_DSPARK_NO_REEXEC": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    for lib in OPENBLAS:
-        if os.path.exists(lib):
-            env["LD_PRELOAD"] = lib
-            break
+    lib = find_openblas()
+    if lib:  # as `mlx-dspark`'s re-exec preloads it (engine/base/platform.py)
+        env["LD_PRELOAD"] = lib
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
     return env
 
 

@@ -137,3 +137,32 @@ def test_the_reexec_asks_for_kernels_the_cpu_runs_and_children_do_not_inherit_it
         assert child == ""
     blas, child = run(OPENBLAS_CORETYPE="Prescott")
     assert "Prescott kernels" in blas and child == "Prescott"
+
+
+@linux
+@pytest.mark.skipif(find_openblas() is None, reason="needs OpenBLAS installed")
+def test_the_reexec_sends_idle_openblas_workers_to_sleep_and_children_do_not_inherit_it(tmp_path):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT as it loads: the re-exec'd process starts with ours
+    (platform.BLAS_THREAD_TIMEOUT) unless the user set one, and the programs it starts don't get ours."""
+    from engine.base.platform import BLAS_THREAD_TIMEOUT
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import json, os, subprocess, sys\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "from engine.base.platform import ensure_fast_blas\n"
+        "ensure_fast_blas()\n"
+        "at_exec = dict(v.split('=', 1) for v in open('/proc/self/environ').read().split('\\0') if '=' in v)\n"
+        "child = subprocess.run(['sh', '-c', 'echo \"$OPENBLAS_THREAD_TIMEOUT\"'], capture_output=True, text=True)\n"
+        "print(json.dumps([at_exec.get('OPENBLAS_THREAD_TIMEOUT'), child.stdout.strip()]))\n")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("LD_PRELOAD", "MLX_DSPARK_NO_REEXEC", "OPENBLAS_THREAD_TIMEOUT")}
+
+    def run(**env):
+        out = subprocess.run([sys.executable, str(script)], env={**base, **env}, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert run() == [BLAS_THREAD_TIMEOUT, ""]
+    assert run(OPENBLAS_THREAD_TIMEOUT="12") == ["12", "12"]

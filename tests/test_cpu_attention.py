@@ -251,6 +251,31 @@ def test_prefill_leaves_the_unread_last_attention_to_mlx(tiny_model_dir, routed)
     assert len(routed) == layers
 
 
+def test_tapped_prefill_leaves_the_unread_last_attention_to_mlx_unless_it_is_tapped(tiny_model_dir, routed):
+    """A drafter's prefill (hidden states tapped) skips the last layer's attention as a plain one
+    does when no tap reads that layer, and gives the same taps and caches; tapping it computes it."""
+    from engine import load_target
+    from engine.decoding.verify import prefill
+
+    target = load_target(tiny_model_dir)
+    cpu_attention.set_crossover(0)
+    ids = np.random.default_rng(2).integers(0, target.vocab_size, size=300).tolist()
+    layers = len(target.make_cache())
+    for taps, calls in (((0,), layers - 1), ((0, layers - 1), layers)):
+        ref = target.make_cache()
+        with cpu_attention.disabled():
+            _, want = target.forward_tapped(ids, ref, taps)
+            mx.eval(want)
+        routed.clear()
+        cache, got = target.make_cache(), []
+        prefill(target, cache, ids, chunk_size=150, tap_layers=taps, on_hidden=got.append)
+        assert len(routed) == 2 * calls
+        np.testing.assert_allclose(np.array(mx.concatenate(got)), np.array(want), rtol=1e-4, atol=1e-4)
+        for a, b in zip(cache, ref):
+            np.testing.assert_allclose(np.array(a.keys[..., :300, :]), np.array(b.keys[..., :300, :]),
+                                       rtol=1e-4, atol=1e-4)
+
+
 def batch_mask(starts, L, S, window=None):
     """A batched verify forward's mask (engine/caches/batch_cache.py): row b's query i sees keys
     0..starts[b] + i (within `window` of it)."""

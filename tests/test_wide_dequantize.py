@@ -1,8 +1,8 @@
-"""The engine's wide forwards through dequantized weights (engine/kernels/wide_dequantize.py), checked
-on any device: the same values as the quantized kernel, taken only by the engine's forwards (Target's,
-not mlx-lm's own loop over the same model) of `min_rows` rows or more, and a prefill through it
-filling the cache the quantized kernels fill. On MLX CUDA it is on by default; here the
-tests turn it on with MLX_DSPARK_WIDE_DEQUANTIZE=1."""
+"""The engine's wide forwards through dequantized weights (engine/kernels/wide_dequantize.py, taken
+through engine/kernels/quantized_route.py), checked on any device: the same values as the quantized
+kernel, taken only by the engine's forwards (Target's, not mlx-lm's own loop over the same model) of
+`min_rows` rows or more, and a prefill through it filling the cache the quantized kernels fill. On
+MLX CUDA it is on by default; here the tests turn it on with MLX_DSPARK_WIDE_DEQUANTIZE=1."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from engine.base.platform import on_cuda
 from engine.decoding.verify import prefill
-from engine.kernels import wide_dequantize
+from engine.kernels import quantized_route, wide_dequantize
 from engine.model.target import load_target
 from test_quantized import quantise
 from tiny_models import build_tiny_model
@@ -23,18 +23,19 @@ from tiny_models import build_tiny_model
 
 @pytest.fixture(autouse=True)
 def route_as_found(monkeypatch):
-    """Each test starts with the route off and neither variable set, and leaves it as it found it
-    (on MLX CUDA load_target installed it)."""
-    rows = wide_dequantize.routed_rows()
-    wide_dequantize.uninstall()
-    monkeypatch.delenv("MLX_DSPARK_WIDE_DEQUANTIZE", raising=False)
-    monkeypatch.delenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", raising=False)
+    """Each test starts with the route off and none of its variables set, and leaves it as it found
+    it (on MLX CUDA load_target installed it). tests/test_narrow_qmm.py uses it too."""
+    rows, narrow = quantized_route.routed_rows(), quantized_route.narrow_rows
+    quantized_route.uninstall()
+    for name in ("MLX_DSPARK_WIDE_DEQUANTIZE", "MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", "MLX_DSPARK_NARROW_QMM_ROWS"):
+        monkeypatch.delenv(name, raising=False)
     yield
-    wide_dequantize.uninstall()
+    quantized_route.uninstall()
     if rows is not None:
         monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
         monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", str(rows))
-        wide_dequantize.install()
+        monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", str(narrow))
+        quantized_route.install()
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def routed(monkeypatch):
     taken = []
     real = wide_dequantize.linear
     monkeypatch.setattr(wide_dequantize, "linear", lambda layer, x: taken.append(x.shape) or real(layer, x))
-    assert wide_dequantize.install()
+    assert quantized_route.install()
     yield taken
 
 
@@ -62,10 +63,10 @@ def test_dequantized_weights_give_the_quantized_kernels_values(bits, mode):
 
 def test_only_wide_engine_forwards_take_it(routed):
     layer = nn.QuantizedLinear(64, 32, bits=8)
-    rows = wide_dequantize.routed_rows()
+    rows = quantized_route.routed_rows()
     layer(mx.zeros((1, rows, 64)))  # not the engine's: mlx-lm's own loop
     assert routed == []
-    with wide_dequantize.engine_forward():
+    with quantized_route.engine_forward():
         layer(mx.zeros((1, rows - 1, 64)))  # a short last chunk: quantized kernels
         assert routed == []
         layer(mx.zeros((1, rows, 64)))
@@ -80,17 +81,17 @@ def test_only_wide_engine_forwards_take_it(routed):
 
 def test_off_unless_on_cuda_or_asked(monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "0")
-    assert not wide_dequantize.wanted() and wide_dequantize.install() is False
-    assert nn.QuantizedLinear.__call__ is not wide_dequantize._routed
+    assert not quantized_route.wanted() and quantized_route.install() is False
+    assert nn.QuantizedLinear.__call__ is not quantized_route._routed
     monkeypatch.delenv("MLX_DSPARK_WIDE_DEQUANTIZE")
-    assert wide_dequantize.wanted() == on_cuda()
+    assert quantized_route.wanted() == on_cuda()
 
 
 def test_a_prefill_through_it_fills_the_same_cache(tmp_path, monkeypatch, routed):
     monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")  # keep the quantized layers on this CPU
     path = quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8)
     target = load_target(path)
-    rows = wide_dequantize.routed_rows()
+    rows = quantized_route.routed_rows()
     tokens = np.random.default_rng(0).integers(0, target.vocab_size, size=2 * rows + 40).tolist()
 
     def filled():
@@ -102,7 +103,7 @@ def test_a_prefill_through_it_fills_the_same_cache(tmp_path, monkeypatch, routed
 
     wide_states, wide_logits = filled()
     assert len(routed) > 0  # the two full chunks went through it, the last 40 tokens did not
-    wide_dequantize.uninstall()
+    quantized_route.uninstall()
     states, logits = filled()
     for a, b in zip(wide_states, states):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
@@ -112,9 +113,9 @@ def test_a_prefill_through_it_fills_the_same_cache(tmp_path, monkeypatch, routed
 def test_rows_from_the_variable(tmp_path, monkeypatch, routed):
     """A verify pass of `min_rows` tokens through Target takes it, a narrower one and mlx-lm's
     own call on the same model do not; batched forwards count rows over the batch."""
-    wide_dequantize.uninstall()
+    quantized_route.uninstall()
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", "8")
-    assert wide_dequantize.install() and wide_dequantize.routed_rows() == 8
+    assert quantized_route.install() and quantized_route.routed_rows() == 8
     monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
     target = load_target(quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8))
     layers = sum(isinstance(m, nn.QuantizedLinear) for _, m in target.model.named_modules())
@@ -138,8 +139,8 @@ def test_bad_rows_variable_is_a_clear_error(monkeypatch):
     for bad in ("many", "\u00b2", "0", "-3"):
         monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", bad)
         with pytest.raises(EngineError, match="MLX_DSPARK_WIDE_DEQUANTIZE_ROWS must be a whole number"):
-            wide_dequantize.install()
-        assert wide_dequantize.routed_rows() is None
+            quantized_route.install()
+        assert quantized_route.routed_rows() is None
 
 
 def test_cost_curves_are_kept_apart_by_the_route(tmp_path, monkeypatch):
@@ -150,14 +151,14 @@ def test_cost_curves_are_kept_apart_by_the_route(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
     target = load_target(quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8))
-    wide_dequantize.uninstall()
+    quantized_route.uninstall()
     plain = curve_key(target)
     plain_chunk = chunk_key(target)
     assert "wide_dequantize_rows" not in plain and "wide_dequantize_rows" not in plain_chunk
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
     for rows in ("16", "64"):
         monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", rows)
-        wide_dequantize.install()
+        quantized_route.install()
         assert curve_key(target) == {**plain, "wide_dequantize_rows": int(rows)}
         assert chunk_key(target) == {**plain_chunk, "wide_dequantize_rows": int(rows)}
-        wide_dequantize.uninstall()
+        quantized_route.uninstall()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class ForwardContext:
     engine_thread: bool = False  # the engine's thread: its decode and verify forwards may take the CPU kernels
-    engine_forward: bool = False  # a forward Target builds, not mlx-lm's own loop: wide_dequantize may route it
+    engine_forward: bool = False  # a forward Target builds, not mlx-lm's own loop: quantized_route may route it
     prefill: bool = False  # inside a prefill chunk's forward: eager kernels may run (no autodiff, no mx.compile)
     unread_call: int | None = None  # the attention call (1-based) whose output nobody reads; None: all are read
     attention_calls_made: int = 0  # attention calls so far since unread_call was set (counted while it is)

@@ -11,6 +11,12 @@ of model 207 runs "Prescott" (SSE3) kernels, 3-4x slower on a verify forward's m
 than its AVX-512 ones. Where the CPU has AVX-512 (or AVX2) and the kernels chosen don't
 use it, the re-exec also sets OPENBLAS_CORETYPE to the kernels that do (`better_core`); a
 user's own OPENBLAS_CORETYPE is left alone.
+
+OpenBLAS's idle workers spin for 2^28 cycles (about 0.1 s) after each call before they sleep. The
+CPU attention kernel's own threads (engine/kernels/cpu_attention.py) run between MLX's matmuls on
+the same cores, and that spinning took their cycles: on 2 cores a 15k-token cold turn took 10.4 s
+and decoded 1,073 tok/s by default, 9.2 s and 1,352 tok/s with OPENBLAS_THREAD_TIMEOUT=4 (2^4
+cycles; scripts/bench_peers.py, 2026-12-04). The re-exec sets that too, unless the user set it.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ OPENBLAS_CANDIDATES = (
 )
 _REEXEC_GUARD = "MLX_DSPARK_BLAS_REEXEC"  # set in the re-executed process: the caller's LD_PRELOAD
 _CORE_GUARD = "MLX_DSPARK_BLAS_CORETYPE"  # set in the re-executed process where we set OPENBLAS_CORETYPE
+_TIMEOUT_GUARD = "MLX_DSPARK_BLAS_TIMEOUT"  # set in the re-executed process where we set OPENBLAS_THREAD_TIMEOUT
 _UNSET = "-"
+BLAS_THREAD_TIMEOUT = "4"  # OpenBLAS idle workers spin 2^4 cycles, not 2^28, before sleeping (docstring)
 # OpenBLAS core names (lower case) whose sgemm kernels use AVX-512, and those that use AVX2 at least
 AVX512_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 AVX2_CORES = AVX512_CORES | {"haswell", "zen"}
@@ -128,6 +136,8 @@ def ensure_fast_blas(argv: list[str] | None = None) -> None:
         env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
     if core:
         env["OPENBLAS_CORETYPE"], env[_CORE_GUARD] = core, core
+    if "OPENBLAS_THREAD_TIMEOUT" not in env:
+        env["OPENBLAS_THREAD_TIMEOUT"] = env[_TIMEOUT_GUARD] = BLAS_THREAD_TIMEOUT
     argv = argv if argv is not None else sys.argv
     try:
         os.execve(sys.executable, [sys.executable, *argv], env)
@@ -141,6 +151,8 @@ def restore_caller_env() -> None:
     servers: Node.js under it fails with `pthread_create: Invalid argument`)."""
     if os.environ.pop(_CORE_GUARD, None):  # ours, read by OpenBLAS as it loaded: children don't need it
         os.environ.pop("OPENBLAS_CORETYPE", None)
+    if os.environ.pop(_TIMEOUT_GUARD, None):
+        os.environ.pop("OPENBLAS_THREAD_TIMEOUT", None)
     before = os.environ.pop(_REEXEC_GUARD, _UNSET)
     if before == _UNSET:
         os.environ.pop("LD_PRELOAD", None)

@@ -58,6 +58,10 @@ def prefill(
     `embeddings` (one row per token) are fed instead of the tokens' own: a VLM prompt's images
     (engine/model/vision.py)."""
     total = len(tokens)
+    # The last layer's attention output feeds no cache: unread, unless a drafter taps that layer
+    unread = None
+    if embeddings is None and not (tap_layers and max(tap_layers) >= target.num_layers - 1):
+        unread = unread_last_call(target, cache)
     for start in range(0, total, chunk_size):
         if cancelled and cancelled():
             raise CancelledError("cancelled during prefill")
@@ -65,10 +69,11 @@ def prefill(
         if embeddings is not None:
             target.forward(chunk, cache, embeddings[start : start + chunk_size])
         elif tap_layers:
-            _, hidden = target.forward_tapped(chunk, cache, tap_layers)
+            with cpu_attention.last_call_unread(unread):  # the taps and the caches are all that is read
+                _, hidden = target.forward_tapped(chunk, cache, tap_layers)
             on_hidden(hidden)
         else:
-            with cpu_attention.last_call_unread(unread_last_call(target, cache)):
+            with cpu_attention.last_call_unread(unread):
                 target.forward(chunk, cache)
         mx.eval([c.state for c in cache])
         if on_progress:

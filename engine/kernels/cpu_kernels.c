@@ -70,21 +70,38 @@ void softmax_tile(float *s, int64_t rows, int64_t n, int64_t ld, float *m, float
             memset(row, 0, n * sizeof(float));
             continue;
         }
-        int64_t full = cnt & ~(int64_t)7;
-        v8f vm = splat(-INFINITY);
-        for (int64_t j = 0; j < full; j += 8) vm = vmax(vm, load8(row + j));
+        int64_t full = cnt & ~(int64_t)7, quad = cnt & ~(int64_t)31;
+        /* four running maxima: one chain of dependent max steps would wait on each other */
+        v8f vm = splat(-INFINITY), vm1 = vm, vm2 = vm, vm3 = vm;
+        for (int64_t j = 0; j < quad; j += 32) {
+            vm = vmax(vm, load8(row + j));
+            vm1 = vmax(vm1, load8(row + j + 8));
+            vm2 = vmax(vm2, load8(row + j + 16));
+            vm3 = vmax(vm3, load8(row + j + 24));
+        }
+        for (int64_t j = quad; j < full; j += 8) vm = vmax(vm, load8(row + j));
+        vm = vmax(vmax(vm, vm1), vmax(vm2, vm3));
         float top = -INFINITY;
         for (int i = 0; i < 8; i++) top = vm[i] > top ? vm[i] : top;
         for (int64_t j = full; j < cnt; j++) top = row[j] > top ? row[j] : top;
         float m_new = m[r] > top ? m[r] : top;
         float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
 
-        v8f mv = splat(m_new), sum = splat(0.0f);
-        for (int64_t j = 0; j < full; j += 8) {
+        v8f mv = splat(m_new), sum = splat(0.0f), sum1 = sum;
+        int64_t pair = cnt & ~(int64_t)15;
+        for (int64_t j = 0; j < pair; j += 16) { /* two sums, two exps in flight */
+            v8f e = exp8(load8(row + j) - mv), e1 = exp8(load8(row + j + 8) - mv);
+            store8(row + j, e);
+            store8(row + j + 8, e1);
+            sum += e;
+            sum1 += e1;
+        }
+        for (int64_t j = pair; j < full; j += 8) {
             v8f e = exp8(load8(row + j) - mv);
             store8(row + j, e);
             sum += e;
         }
+        sum += sum1;
         if (full < cnt) { /* the tail, through the same exp: padded, the padding not summed */
             float buf[8] = {0};
             memcpy(buf, row + full, (cnt - full) * sizeof(float));

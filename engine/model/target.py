@@ -24,7 +24,7 @@ from engine.base.errors import ModelLoadError
 from engine.base.platform import physical_memory_bytes
 from engine.base.ranks import Ranks, world
 from engine.caches.rollback import supports_drafts
-from engine.kernels import cpu_swiglu, gated_delta_chunked, gpu_attention, wide_dequantize
+from engine.kernels import cpu_swiglu, gated_delta_chunked, gpu_attention, quantized_route
 from engine.kernels.attention_crossover import install_for
 from engine.model.config import dtype_name
 from engine.model.split import check_parts_agree, split_model
@@ -86,7 +86,7 @@ class Target:
         `embeddings`: a VLM prompt's image-merged inputs for these tokens (engine/model/vision.py), fed
         instead of the tokens' own. A cache after an M-RoPE image continues at shifted positions."""
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
-        with wide_dequantize.engine_forward():
+        with quantized_route.engine_forward():
             if embeddings is not None:
                 return embeddings.forward(x, cache)
             return self.model(x[None], cache=position_view(cache))[0]
@@ -94,7 +94,7 @@ class Target:
     def forward_batch(self, tokens: mx.array, caches: list) -> mx.array:
         """Logits (batch, k, vocab) for rows of `tokens` (batch, k), each on its own cache
         (engine/caches/batch_cache.py's per-layer views)."""
-        with wide_dequantize.engine_forward():
+        with quantized_route.engine_forward():
             return self.model(tokens, cache=caches)
 
     # -- hidden-state taps (drafter heads read the residual stream) ---------------
@@ -156,7 +156,7 @@ class Target:
         re-walked here layer by layer so no second pass is needed."""
         self.check_tappable(layers)
         x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.uint32)
-        with wide_dequantize.engine_forward():
+        with quantized_route.engine_forward():
             return self._forward_tapped(x, cache, layers)
 
     def _forward_tapped(self, x: mx.array, cache: list, layers: tuple[int, ...]) -> tuple[mx.array, mx.array]:
@@ -309,7 +309,7 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
         cpu_swiglu.install_for(target)  # and the MLP's activation in a compiled kernel (engine/kernels/cpu_swiglu.py)
     gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)
     gpu_attention.install()  # MLX CUDA: verify forwards' attention without a cuDNN graph per shape
-    wide_dequantize.install()  # MLX CUDA: wide forwards through dequantized weights
+    quantized_route.install()  # MLX CUDA: quantised layers by width (dequantized wide, MLX or narrow_qmm narrow)
     return target
 
 

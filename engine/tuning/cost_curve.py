@@ -26,7 +26,7 @@ from engine.base.platform import device_name
 from engine.caches.kv_segments import fresh_cache
 from engine.caches.rollback import DEFAULT_ROLLBACK, ROLLBACK_MODES, mark, needs_replay, take_back
 from engine.caches import state_capture
-from engine.kernels import wide_dequantize
+from engine.kernels import quantized_route
 from engine.kernels.cpu_attention import MAX_WIDTH
 
 CURVE_FORMAT = 2  # 2: CPU decode and verify forwards on the compiled attention and SwiGLU (cheaper batched)
@@ -58,7 +58,7 @@ def curve_key(target, kv_bits: int | None = None, **overrides) -> dict:
         "quantization": target.config.get("quantization") or None,
         "kv_bits": kv_bits,
     }
-    key.update(wide_dequantize.measurement_key())  # a curve under another routing is another curve
+    key.update(quantized_route.measurement_key())  # a curve under another routing is another curve
     key.update(overrides)
     return key
 

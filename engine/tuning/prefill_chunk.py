@@ -16,7 +16,7 @@ from pathlib import Path
 from engine.base.measurements import MeasurementStore, cached_or_measured
 from engine.base.platform import device_name, on_cuda
 from engine.decoding.verify import prefill
-from engine.kernels import wide_dequantize
+from engine.kernels import quantized_route
 from engine.kernels.attention_crossover import install_for
 from engine.tuning.attention_tune import tune_attention
 
@@ -35,7 +35,7 @@ def chunk_key(target) -> dict:
     import mlx.core as mx
 
     return {"format": FORMAT, "device": device_name(), "mlx": mx.__version__,
-            "model": target.identity, "dtype": target.dtype, **wide_dequantize.measurement_key()}
+            "model": target.identity, "dtype": target.dtype, **quantized_route.measurement_key()}
 
 
 def chunk_path(key: dict) -> Path:

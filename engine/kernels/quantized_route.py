@@ -1,0 +1,108 @@
+"""Which kernel each quantised layer of the engine's forwards takes, by the forward's rows, on MLX CUDA.
+
+- from `MLX_DSPARK_WIDE_DEQUANTIZE_ROWS` rows (default wide_dequantize.MIN_ROWS, 384): the weight
+  dequantized for the forward (engine/kernels/wide_dequantize.py: prefill chunks, wide batches);
+- 2 to `MLX_DSPARK_NARROW_QMM_ROWS` rows (unset: none): engine/kernels/narrow_qmm.py, each weight read
+  once on tensor cores (a verify pass, a few streams' decode), where it reads the layout;
+- anything else, one row included: MLX's own quantized kernels.
+
+Only the engine's own forwards are routed (`Target` builds them inside `engine_forward()`), so
+mlx-lm's loop over the same model (the benchmark's peer) is untouched. Every engine forward of a
+width goes the same way (prefill, verify, tune's cost curve), so `auto` plans with what runs, and
+`measurement_key()` keeps measurements under one routing apart from another's.
+`MLX_DSPARK_WIDE_DEQUANTIZE=0` turns the route off, `1` on on any device (the tests, on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.base.errors import EngineError
+from engine.base.forward_context import forward_context, get_context
+from engine.base.platform import on_cuda
+from engine.kernels import narrow_qmm, wide_dequantize
+
+_original = None  # QuantizedLinear.__call__ while the route is installed
+min_rows = wide_dequantize.MIN_ROWS  # from here up, dequantized; set at install()
+narrow_rows = 0  # forwards of 2 to this many rows take narrow_qmm (0: none); set at install()
+
+
+def rows_of(x: mx.array) -> int:
+    return x.size // x.shape[-1]
+
+
+def takes(x: mx.array) -> bool:
+    """Inside `engine_forward()`, a forward of at least `min_rows` rows."""
+    return get_context().engine_forward and rows_of(x) >= min_rows
+
+
+def engine_forward():
+    """Forwards built in this block (on this thread) are the engine's."""
+    return forward_context(engine_forward=True)
+
+
+def _routed(self, x):
+    if takes(x):
+        return wide_dequantize.linear(self, x)
+    if narrow_rows and get_context().engine_forward and rows_of(x) <= narrow_rows and narrow_qmm.fits(self, x):
+        return narrow_qmm.linear(self, x)
+    return _original(self, x)
+
+
+def wanted() -> bool:
+    """MLX CUDA (measured there; Metal's quantized kernels are not), or as the variable says."""
+    env = os.environ.get("MLX_DSPARK_WIDE_DEQUANTIZE")
+    if env in ("0", "1"):
+        return env == "1"
+    return on_cuda()
+
+
+def routed_rows() -> int | None:
+    """The rows from which engine forwards take the dequantized path; None where none do."""
+    return min_rows if _original is not None else None
+
+
+def measurement_key() -> dict:
+    """What a measurement of engine forwards (cost curve, prefill chunk) depends on here: the rows
+    at which they take other kernels, where any do (nothing on a CPU or Metal, so keys stay)."""
+    if _original is None:
+        return {}
+    return {"wide_dequantize_rows": min_rows, **({"narrow_qmm_rows": narrow_rows} if narrow_rows else {})}
+
+
+def _rows_from_env(name: str, default: int, low: int, high: int | None = None) -> int:
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return default
+    try:
+        rows = int(env)
+    except ValueError:
+        rows = low - 1
+    if rows < low or (high is not None and rows > high):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise EngineError(f"{name} must be a whole number {bound}, not {env!r}")
+    return rows
+
+
+def install() -> bool:
+    """Route every QuantizedLinear of engine forwards by rows where `wanted()` (idempotent)."""
+    global _original, min_rows, narrow_rows
+    if _original is None and wanted():
+        min_rows = _rows_from_env("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", wide_dequantize.MIN_ROWS, 1)
+        # narrow_qmm stays off until timed on a GPU (its docstring)
+        narrow_rows = _rows_from_env("MLX_DSPARK_NARROW_QMM_ROWS", 0, 0, narrow_qmm.MAX_ROWS)
+        _original = nn.QuantizedLinear.__call__
+        nn.QuantizedLinear.__call__ = _routed
+    return _original is not None
+
+
+def uninstall() -> None:
+    global _original, min_rows, narrow_rows
+    if _original is not None:
+        nn.QuantizedLinear.__call__ = _original
+        _original = None
+    min_rows = wide_dequantize.MIN_ROWS
+    narrow_rows = 0
