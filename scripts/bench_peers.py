@@ -224,6 +224,7 @@ def mlx_env() -> dict:
 def plain_env() -> dict:
     env = ra.server_env()
     env.pop("LD_PRELOAD", None)
+    env.pop("OPENBLAS_THREAD_TIMEOUT", None)
     return env
 
 

@@ -12,7 +12,7 @@ the weights' and attention's FLOPs:
 - `ours C`: engine.decoding.verify.prefill at chunk C on the engine's target (the chunk the engine
   would pick is marked), as the engine runs it (on MLX CUDA each quantised weight dequantized per
   forward, engine/kernels/wide_dequantize.py);
-- `ours C, quantized kernels`: the same with wide_dequantize off (MLX's quantized matmul);
+- `ours C, quantized kernels`: the same with engine/kernels/quantized_route.py off (MLX's quantized matmul);
 - `dequantized C`: the same on weights dequantized once and kept (where they fit);
 - `engine first token`: Engine.generate, max_tokens 1, a fresh engine each: without a prefix
   cache, with its RAM tier, with its disk tier too (everything a cold request pays besides HTTP).

@@ -3,7 +3,8 @@
     python scripts/profile_verify_gpu.py --model DIR [--depth 2048] [--widths 1,2,4,...,512] [--json FILE]
 
 Times the engine's forward of each width at one context depth three times, as tune's cost curve does
-(engine/tuning/cost_curve.py: median of `--repeats` sweeps, each pass rolled back): through MLX's
+(engine/tuning/cost_curve.py: median of `--repeats` sweeps, each pass rolled back), each way set
+through engine/kernels/quantized_route.py's variables: through MLX's
 quantized kernels; through engine/kernels/narrow_qmm.py where it takes the width (2 to its MAX_ROWS);
 and with every QuantizedLinear dequantized for the forward (engine/kernels/wide_dequantize.py at one
 row). Prints the three with the narrow kernel's reach (the widest width up to which it beats MLX's

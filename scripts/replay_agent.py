@@ -41,7 +41,6 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from engine.base.platform import BLAS_THREAD_TIMEOUT, find_openblas  # noqa: E402
 START_TIMEOUT_S = 600
 WARM_UP = "Say hello."  # each server's first request, not counted (shares no prefix with the sessions)
 
@@ -62,6 +61,8 @@ def load_avg() -> str:
 
 
 def server_env() -> dict:
+    from engine.base.platform import BLAS_THREAD_TIMEOUT, find_openblas  # here: engine/__init__ loads MLX
+
     env = {**os.environ, "MLX_DSPARK_NO_REEXEC": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     lib = find_openblas()
     if lib:  # as `mlx-dspark`'s re-exec preloads it (engine/base/platform.py)

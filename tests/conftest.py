@@ -69,3 +69,22 @@ def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip("../shared/fixtures is absent")
     return FIXTURES
+
+
+@pytest.fixture
+def route_as_found(monkeypatch):
+    """The quantised-layer route (engine/kernels/quantized_route.py) off and none of its variables set
+    for one test, and left as it was found (on MLX CUDA load_target installed it)."""
+    from engine.kernels import quantized_route
+
+    rows, narrow = quantized_route.wide_rows(), quantized_route.narrow_rows
+    quantized_route.uninstall()
+    for name in ("MLX_DSPARK_WIDE_DEQUANTIZE", "MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", "MLX_DSPARK_NARROW_QMM_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    quantized_route.uninstall()
+    if rows is not None:
+        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
+        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", str(rows))
+        monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", str(narrow))
+        quantized_route.install()

@@ -155,8 +155,9 @@ def test_the_reexec_sends_idle_openblas_workers_to_sleep_and_children_do_not_inh
         "at_exec = dict(v.split('=', 1) for v in open('/proc/self/environ').read().split('\\0') if '=' in v)\n"
         "child = subprocess.run(['sh', '-c', 'echo \"$OPENBLAS_THREAD_TIMEOUT\"'], capture_output=True, text=True)\n"
         "print(json.dumps([at_exec.get('OPENBLAS_THREAD_TIMEOUT'), child.stdout.strip()]))\n")
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("LD_PRELOAD", "MLX_DSPARK_NO_REEXEC", "OPENBLAS_THREAD_TIMEOUT")}
+    base = {k: v for k, v in os.environ.items()  # nor the re-exec's own guards, were we run from one
+            if k not in ("LD_PRELOAD", "MLX_DSPARK_NO_REEXEC", "OPENBLAS_THREAD_TIMEOUT")
+            and not k.startswith("MLX_DSPARK_BLAS_")}
 
     def run(**env):
         out = subprocess.run([sys.executable, str(script)], env={**base, **env}, capture_output=True, text=True,

@@ -1,8 +1,10 @@
 """The quantised layer over a few rows on tensor cores (engine/kernels/narrow_qmm.py).
 
-Where MLX CUDA runs: the kernel gives MLX's quantized matmul's values (to bf16/fp16 rounding) for every
-layout it takes, at every row count from 2 to MAX_ROWS. Anywhere: which layers and widths it takes,
-that only the engine's forwards take it, and the variable that bounds it."""
+Where MLX CUDA runs: the kernel computes x @ dequantize(W).T, element by element within what rounding
+to bf16/fp16 allows, for every layout it takes, every row count from 2 to MAX_ROWS, K splitting into
+fewer steps than warps and into counts that aren't a multiple of them, and groups of very different
+scales (a scale or bias read from the wrong group or row shows). Anywhere: which layers and widths
+it takes, that only the engine's forwards on MLX CUDA take it, and the variable that asks for it."""
 
 from __future__ import annotations
 
@@ -14,41 +16,52 @@ import pytest
 from engine.base.errors import EngineError
 from engine.base.platform import on_cuda
 from engine.kernels import narrow_qmm, quantized_route
-from test_wide_dequantize import route_as_found  # noqa: F401  (autouse: each test starts with the route off)
 
+pytestmark = pytest.mark.usefixtures("route_as_found")  # tests/conftest.py: the route off, variables unset
 cuda_only = pytest.mark.skipif(not on_cuda(), reason="the kernel runs on MLX CUDA")
 
 
 def layer(n: int, k: int, bits: int, group_size: int, dtype=mx.bfloat16, bias: bool = False, seed: int = 0):
-    mx.random.seed(seed)
-    q = nn.QuantizedLinear.from_linear(nn.Linear(k, n, bias=bias), group_size=group_size, bits=bits)
+    """A quantised layer whose groups' scales differ by up to 100x (uniform init would make them alike)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-1, 1, (n, k // group_size, 1)).repeat(group_size, 1).reshape(n, k)
+    linear = nn.Linear(k, n, bias=bias)
+    linear.weight = mx.array(w.astype(np.float32))
+    q = nn.QuantizedLinear.from_linear(linear, group_size=group_size, bits=bits)
     q.set_dtype(dtype)  # scales and biases in the activations' dtype, as a converted checkpoint has them
     return q
 
 
+def check(q: nn.QuantizedLinear, x: mx.array) -> None:
+    """narrow_qmm against x @ dequantize(W).T in float32: each output within 2^-7 of the sum of its
+    terms' magnitudes (bf16 keeps 8 bits: the weights and the output are rounded once each)."""
+    assert narrow_qmm.fits(q, x)
+    got = narrow_qmm.linear(q, x)
+    w = mx.dequantize(q["weight"], q["scales"], q["biases"], group_size=q.group_size, bits=q.bits)
+    xf, wf = np.array(x.astype(mx.float32)), np.array(w.astype(mx.float32))
+    want = xf @ wf.T + (np.array(q["bias"].astype(mx.float32)) if "bias" in q else 0)
+    scale = np.abs(xf) @ np.abs(wf).T + 1e-3
+    assert got.shape == want.shape and got.dtype == x.dtype
+    err = np.abs(np.array(got.astype(mx.float32)) - want) / scale
+    assert err.max() < 2 ** -7, (x.shape, float(err.max()))
+
+
 @cuda_only
-@pytest.mark.parametrize("bits,group_size,dtype", [(8, 64, mx.bfloat16), (4, 64, mx.bfloat16), (8, 128, mx.float16),
-                                                   (4, 32, mx.float16), (8, 32, mx.bfloat16), (4, 128, mx.bfloat16)])
-def test_gives_mlx_quantized_matmul_values(bits, group_size, dtype):
-    q = layer(272, 1024, bits, group_size, dtype, seed=bits + group_size)
+@pytest.mark.parametrize("bits,group_size,dtype,k", [
+    (8, 64, mx.bfloat16, 1024), (8, 64, mx.bfloat16, 448),  # 16 steps; 7, fewer than the warps
+    (8, 128, mx.float16, 1088), (8, 32, mx.bfloat16, 576),  # 17 and 9 steps: not a multiple of 8
+    (4, 64, mx.bfloat16, 1408), (4, 32, mx.float16, 384), (4, 128, mx.bfloat16, 2048)])
+def test_gives_the_dequantized_product(bits, group_size, dtype, k):
+    q = layer(272, k, bits, group_size, dtype, seed=bits + group_size + k)
+    rng = np.random.default_rng(k)
     for rows in (2, 7, 8, 9, 31, 64):
-        x = mx.random.normal((rows, 1024)).astype(dtype)
-        assert narrow_qmm.fits(q, x)
-        want = np.array(q(x).astype(mx.float32))
-        got = narrow_qmm.linear(q, x)
-        assert got.shape == (rows, 272) and got.dtype == dtype
-        err = np.abs(np.array(got.astype(mx.float32)) - want).max() / np.abs(want).max()
-        assert err < 2e-2, (rows, err)  # both round to 8 mantissa bits (bf16); sums in another order
+        check(q, mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype))
 
 
 @cuda_only
 def test_batched_input_and_bias():
     q = layer(128, 512, 8, 64, bias=True, seed=3)
-    x = mx.random.normal((3, 5, 512)).astype(mx.bfloat16)
-    want = np.array(q(x).astype(mx.float32))
-    got = np.array(narrow_qmm.linear(q, x).astype(mx.float32))
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
+    check(q, mx.array(np.random.default_rng(3).standard_normal((3, 5, 512)).astype(np.float32)).astype(mx.bfloat16))
 
 
 def test_takes_only_layouts_it_reads():
@@ -66,6 +79,7 @@ def test_takes_only_layouts_it_reads():
 
 
 def test_only_engine_forwards_of_few_rows_take_it(monkeypatch):
+    monkeypatch.setattr(quantized_route, "on_cuda", lambda: True)  # the route as MLX CUDA sets it up
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
     monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "8")
     taken = []
@@ -81,18 +95,27 @@ def test_only_engine_forwards_of_few_rows_take_it(monkeypatch):
     assert quantized_route.measurement_key()["narrow_qmm_rows"] == 8
 
 
-@pytest.mark.parametrize("value", ["-1", "65", "x", "1.5"])
+def test_never_off_mlx_cuda(monkeypatch):
+    monkeypatch.setattr(quantized_route, "on_cuda", lambda: False)
+    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
+    monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "8")
+    assert quantized_route.install() and quantized_route.narrow_rows == 0
+    assert "narrow_qmm_rows" not in quantized_route.measurement_key()
+
+
+@pytest.mark.parametrize("value", ["-1", "1", "65", "x", "1.5"])
 def test_bad_rows_value_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
     monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", value)
-    with pytest.raises(EngineError, match="MLX_DSPARK_NARROW_QMM_ROWS"):
+    with pytest.raises(EngineError, match="MLX_DSPARK_NARROW_QMM_ROWS must be a whole number from 2 to 64"):
         quantized_route.install()
 
 
 def test_off_unless_asked_for(monkeypatch):
+    monkeypatch.setattr(quantized_route, "on_cuda", lambda: True)
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
-    assert quantized_route.install()
+    assert quantized_route.install() and quantized_route.narrow_rows == 0
     assert "narrow_qmm_rows" not in quantized_route.measurement_key()
     quantized_route.uninstall()
     monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "0")
-    assert quantized_route.install() and "narrow_qmm_rows" not in quantized_route.measurement_key()
+    assert quantized_route.install() and quantized_route.narrow_rows == 0

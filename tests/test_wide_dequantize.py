@@ -21,21 +21,7 @@ from test_quantized import quantise
 from tiny_models import build_tiny_model
 
 
-@pytest.fixture(autouse=True)
-def route_as_found(monkeypatch):
-    """Each test starts with the route off and none of its variables set, and leaves it as it found
-    it (on MLX CUDA load_target installed it). tests/test_narrow_qmm.py uses it too."""
-    rows, narrow = quantized_route.routed_rows(), quantized_route.narrow_rows
-    quantized_route.uninstall()
-    for name in ("MLX_DSPARK_WIDE_DEQUANTIZE", "MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", "MLX_DSPARK_NARROW_QMM_ROWS"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    quantized_route.uninstall()
-    if rows is not None:
-        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
-        monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", str(rows))
-        monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", str(narrow))
-        quantized_route.install()
+pytestmark = pytest.mark.usefixtures("route_as_found")  # tests/conftest.py: the route off, variables unset
 
 
 @pytest.fixture
@@ -63,7 +49,7 @@ def test_dequantized_weights_give_the_quantized_kernels_values(bits, mode):
 
 def test_only_wide_engine_forwards_take_it(routed):
     layer = nn.QuantizedLinear(64, 32, bits=8)
-    rows = quantized_route.routed_rows()
+    rows = quantized_route.wide_rows()
     layer(mx.zeros((1, rows, 64)))  # not the engine's: mlx-lm's own loop
     assert routed == []
     with quantized_route.engine_forward():
@@ -91,7 +77,7 @@ def test_a_prefill_through_it_fills_the_same_cache(tmp_path, monkeypatch, routed
     monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")  # keep the quantized layers on this CPU
     path = quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8)
     target = load_target(path)
-    rows = quantized_route.routed_rows()
+    rows = quantized_route.wide_rows()
     tokens = np.random.default_rng(0).integers(0, target.vocab_size, size=2 * rows + 40).tolist()
 
     def filled():
@@ -115,7 +101,7 @@ def test_rows_from_the_variable(tmp_path, monkeypatch, routed):
     own call on the same model do not; batched forwards count rows over the batch."""
     quantized_route.uninstall()
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", "8")
-    assert quantized_route.install() and quantized_route.routed_rows() == 8
+    assert quantized_route.install() and quantized_route.wide_rows() == 8
     monkeypatch.setenv("MLX_DSPARK_DEQUANTIZE", "0")
     target = load_target(quantise(build_tiny_model(tmp_path / "float"), tmp_path / "q8", bits=8))
     layers = sum(isinstance(m, nn.QuantizedLinear) for _, m in target.model.named_modules())
@@ -140,7 +126,7 @@ def test_bad_rows_variable_is_a_clear_error(monkeypatch):
         monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", bad)
         with pytest.raises(EngineError, match="MLX_DSPARK_WIDE_DEQUANTIZE_ROWS must be a whole number"):
             quantized_route.install()
-        assert quantized_route.routed_rows() is None
+        assert quantized_route.wide_rows() is None
 
 
 def test_cost_curves_are_kept_apart_by_the_route(tmp_path, monkeypatch):

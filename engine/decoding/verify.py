@@ -60,7 +60,7 @@ def prefill(
     total = len(tokens)
     # The last layer's attention output feeds no cache: unread, unless a drafter taps that layer
     unread = None
-    if embeddings is None and not (tap_layers and max(tap_layers) >= target.num_layers - 1):
+    if embeddings is None and not (tap_layers and max(tap_layers) >= len(cache) - 1):
         unread = unread_last_call(target, cache)
     for start in range(0, total, chunk_size):
         if cancelled and cancelled():

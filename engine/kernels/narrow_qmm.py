@@ -7,21 +7,24 @@ yardstick, depth 2048, the engine's forward took 10.5 ms at 1 row, 19.7 at 4-8 a
 paid two to three single steps for what reads the same weights once. Decode on a GPU is bound by
 reading weights, so a few rows should cost about what one does.
 
-This kernel computes `x @ dequantize(W).T` for up to MAX_ROWS rows of x with the roles swapped
-(W's output features are the tensor-core tile's rows, x's rows its columns): a block owns 16
-output features; its warps split K, each dequantizes a 16 x 64 tile of W into shared memory (once,
-whatever the rows), multiplies it by the rows of x (padded to 16s) with `wmma` (bf16 or fp16 in,
-fp32 sums), and the block adds the warps' sums. Affine 4- and 8-bit weights, groups of 32, 64 or
-128, K a multiple of 64, N of 16; anything else keeps MLX's kernels. The sums are fp32 as in MLX's
-kernels, in another order: the same values to rounding, as any two GEMM kernels (lossless speculation
-compares the target with itself through the engine's own forwards, whichever kernel they take).
+This kernel computes `x @ dequantize(W).T` with the roles swapped: W's output features are the rows
+of PTX's m16n8k16 product (16 a block), x's rows its 8 columns (x padded to a multiple of 8, up to
+8 tiles). A block's 8 warps split K; each step a lane loads 16 bytes of two feature rows (16 weights
+at 8 bits, 32 at 4), dequantizes them in registers (fp32, rounded to x's dtype) straight into its A
+fragment, reads the matching 8-byte pieces of x as its B fragments, and issues one `mma.sync` per 16
+k per tile of 8 rows, with the next step's 16-byte words already loading. No shared memory but the
+block's final sum over its warps. Affine 4- and 8-bit weights, groups of 32, 64 or 128, K a
+multiple of 64 (8-bit) or 128 (4-bit), N of 16, bf16 or fp16 activations in the scales' dtype;
+anything else keeps MLX's kernels. The sums are fp32 as in MLX's kernels, in another order: the same
+values to rounding, as any two GEMM kernels (lossless speculation compares the target with itself
+through the engine's own forwards, whichever kernel they take).
 
-Off unless `MLX_DSPARK_NARROW_QMM_ROWS=N` (2 to MAX_ROWS) asks for it (engine/kernels/wide_dequantize.py
-routes): written 2026-12-04 with no GPU lent, its index logic checked against PTX's m16n8k16 fragment
-layouts in a numpy model of the warp and compiled with NVRTC for sm_90a (56 registers at one tile of
-8 rows, 140 at eight, no spills), not yet run. tests/test_narrow_qmm.py checks its values where MLX
-CUDA runs; scripts/profile_verify_gpu.py times it against MLX's kernels by width and prints how far
-it should reach: that figure becomes the default.
+Off unless `MLX_DSPARK_NARROW_QMM_ROWS=N` (2 to MAX_ROWS) asks for it; engine/kernels/quantized_route.py
+routes. Written 2026-12-04 with no GPU lent: its index logic checked against PTX's fragment layouts in
+a numpy model of the warp, compiled with NVRTC for sm_90a (56 registers at one tile of 8 rows, 140
+at eight, no spills), never yet run. tests/test_narrow_qmm.py checks its values where MLX CUDA runs;
+scripts/profile_verify_gpu.py times it against MLX's kernels by width and prints how far it should
+reach: that figure becomes the default.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-MAX_ROWS = 64  # rows (tokens over the batch) up to which one forward takes this kernel (4 tiles of 16)
+MAX_ROWS = 64  # rows (tokens over the batch) one forward may bring: 8 tiles of 8
 WARPS = 8  # warps a block, splitting K: enough blocks in flight for a 4096-wide layer on 132 SMs
 TILE_N = 16  # output features a block
 TILE_ROWS = 8  # rows of x a tensor-core tile (x is padded to a multiple)

@@ -10,14 +10,14 @@ Only the engine's own forwards are routed (`Target` builds them inside `engine_f
 mlx-lm's loop over the same model (the benchmark's peer) is untouched. Every engine forward of a
 width goes the same way (prefill, verify, tune's cost curve), so `auto` plans with what runs, and
 `measurement_key()` keeps measurements under one routing apart from another's.
-`MLX_DSPARK_WIDE_DEQUANTIZE=0` turns the route off, `1` on on any device (the tests, on CPU).
+`MLX_DSPARK_WIDE_DEQUANTIZE=0` turns the route off (both kernels of ours), `1` on on any device
+(the tests, on CPU; narrow_qmm runs only on MLX CUDA).
 """
 
 from __future__ import annotations
 
 import os
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from engine.base.errors import EngineError
@@ -30,25 +30,18 @@ min_rows = wide_dequantize.MIN_ROWS  # from here up, dequantized; set at install
 narrow_rows = 0  # forwards of 2 to this many rows take narrow_qmm (0: none); set at install()
 
 
-def rows_of(x: mx.array) -> int:
-    return x.size // x.shape[-1]
-
-
-def takes(x: mx.array) -> bool:
-    """Inside `engine_forward()`, a forward of at least `min_rows` rows."""
-    return get_context().engine_forward and rows_of(x) >= min_rows
-
-
 def engine_forward():
     """Forwards built in this block (on this thread) are the engine's."""
     return forward_context(engine_forward=True)
 
 
 def _routed(self, x):
-    if takes(x):
-        return wide_dequantize.linear(self, x)
-    if narrow_rows and get_context().engine_forward and rows_of(x) <= narrow_rows and narrow_qmm.fits(self, x):
-        return narrow_qmm.linear(self, x)
+    if get_context().engine_forward:
+        rows = x.size // x.shape[-1]
+        if rows >= min_rows:
+            return wide_dequantize.linear(self, x)
+        if rows <= narrow_rows and narrow_qmm.fits(self, x):
+            return narrow_qmm.linear(self, x)
     return _original(self, x)
 
 
@@ -60,7 +53,7 @@ def wanted() -> bool:
     return on_cuda()
 
 
-def routed_rows() -> int | None:
+def wide_rows() -> int | None:
     """The rows from which engine forwards take the dequantized path; None where none do."""
     return min_rows if _original is not None else None
 
@@ -73,7 +66,8 @@ def measurement_key() -> dict:
     return {"wide_dequantize_rows": min_rows, **({"narrow_qmm_rows": narrow_rows} if narrow_rows else {})}
 
 
-def _rows_from_env(name: str, default: int, low: int, high: int | None = None) -> int:
+def _rows_from_env(name: str, default: int, low: int, high: int | None = None, off: bool = False) -> int:
+    """The variable's rows: a whole number from low (to high), or 0 where `off` allows it."""
     env = os.environ.get(name, "").strip()
     if not env:
         return default
@@ -81,9 +75,9 @@ def _rows_from_env(name: str, default: int, low: int, high: int | None = None) -
         rows = int(env)
     except ValueError:
         rows = low - 1
-    if rows < low or (high is not None and rows > high):
+    if not (off and rows == 0) and (rows < low or (high is not None and rows > high)):
         bound = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise EngineError(f"{name} must be a whole number {bound}, not {env!r}")
+        raise EngineError(f"{name} must be a whole number {bound}{' (or 0: off)' if off else ''}, not {env!r}")
     return rows
 
 
@@ -92,8 +86,9 @@ def install() -> bool:
     global _original, min_rows, narrow_rows
     if _original is None and wanted():
         min_rows = _rows_from_env("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", wide_dequantize.MIN_ROWS, 1)
-        # narrow_qmm stays off until timed on a GPU (its docstring)
-        narrow_rows = _rows_from_env("MLX_DSPARK_NARROW_QMM_ROWS", 0, 0, narrow_qmm.MAX_ROWS)
+        # narrow_qmm stays off until timed on a GPU (its docstring), and off anywhere but MLX CUDA
+        narrow = _rows_from_env("MLX_DSPARK_NARROW_QMM_ROWS", 0, 2, narrow_qmm.MAX_ROWS, off=True)
+        narrow_rows = narrow if on_cuda() else 0
         _original = nn.QuantizedLinear.__call__
         nn.QuantizedLinear.__call__ = _routed
     return _original is not None

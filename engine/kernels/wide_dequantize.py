@@ -9,8 +9,9 @@ about 25 ms for the 8B's 7.4 GB, which only a forward of MIN_ROWS rows or more r
 of 2048, quantized against dequantized, 10.5 against 35.4 ms at 1 row, 28.3 / 38.5 at 64 and 128,
 37.0 / 42.0 at 256, 50.3 / 42.7 at 384, 57.8 / 45.3 at 512 (scripts/profile_verify_gpu.py, same
 H200). So prefill chunks take it, and a batched forward where its streams' rows add up to that
-many; decode and a verify pass (64 rows at most) keep the quantized kernels, which read one byte
-a weight instead of three. No wide copy stays resident. engine/kernels/quantized_route.py routes.
+many; decode and a verify pass (64 rows at most) keep quantized kernels (MLX's, or narrow_qmm's
+where asked for), which read one byte a weight instead of three. No wide copy stays resident.
+engine/kernels/quantized_route.py routes.
 """
 
 from __future__ import annotations
