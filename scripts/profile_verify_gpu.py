@@ -83,8 +83,8 @@ def main() -> None:
     never = 1 << 30
     quantized = curve(never, 0)
     few = [w for w in widths if w <= narrow_qmm.MAX_ROWS]
-    narrow = dict(zip(few, curve(never, narrow_qmm.MAX_ROWS, few)))
-    narrow = [narrow.get(w) if w >= 2 else None for w in widths]
+    narrow_at = dict(zip(few, curve(never, narrow_qmm.MAX_ROWS, few)))
+    narrow = [narrow_at.get(w) if w >= 2 else None for w in widths]  # None where it doesn't run
     dequantized = curve(1, 0)
     quantized_route.uninstall()
 

@@ -68,13 +68,12 @@ def prefill(
         chunk = tokens[start : start + chunk_size]
         if embeddings is not None:
             target.forward(chunk, cache, embeddings[start : start + chunk_size])
-        elif tap_layers:
-            with cpu_attention.last_call_unread(unread):  # the taps and the caches are all that is read
-                _, hidden = target.forward_tapped(chunk, cache, tap_layers)
-            on_hidden(hidden)
         else:
-            with cpu_attention.last_call_unread(unread):
-                target.forward(chunk, cache)
+            with cpu_attention.last_call_unread(unread):  # the caches (and any taps) are all that is read
+                if tap_layers:
+                    on_hidden(target.forward_tapped(chunk, cache, tap_layers)[1])
+                else:
+                    target.forward(chunk, cache)
         mx.eval([c.state for c in cache])
         if on_progress:
             on_progress(min(start + chunk_size, total), total)
