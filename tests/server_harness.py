@@ -6,6 +6,7 @@ import shutil
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import uvicorn
@@ -30,6 +31,26 @@ def cli_test(cli, name: str):
             test = m(test)
         return test
     return mark
+
+
+@contextmanager
+def engine_held(engine):
+    """The engine thread blocked in a call (between two steps of whatever runs) until the block ends.
+    Yields `still_held()`: whether the engine is blocked yet (what answered meanwhile didn't wait for it)."""
+    started, gate = threading.Event(), threading.Event()
+
+    def block(_target):
+        started.set()
+        gate.wait(120)
+
+    t = threading.Thread(target=engine.call, args=(block,), daemon=True)
+    t.start()
+    assert started.wait(60), "the engine never ran the blocking call"
+    try:
+        yield t.is_alive
+    finally:
+        gate.set()
+        t.join(60)
 
 
 class RunningServer:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from contextlib import contextmanager
 
 import anthropic
 import httpx
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from agent_bridge.app import create_app
-from server_harness import RunningServer, check_anthropic_stream, sse_events
+from server_harness import RunningServer, check_anthropic_stream, engine_held, sse_events
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # ~400 tokens: ~50 prefill steps of 8
 
@@ -35,26 +34,6 @@ def engine(tiny_model_dir):
     e = Engine(str(tiny_model_dir), prefill_chunk=8)  # many prefill steps: a prefill phase to catch
     yield e
     e.close()
-
-
-@contextmanager
-def engine_held(engine):
-    """The engine thread blocked in a call (between two steps of whatever runs) until the block ends.
-    Yields `still_held()`: whether the engine is blocked yet (what answered meanwhile didn't wait for it)."""
-    started, gate = threading.Event(), threading.Event()
-
-    def block(_target):
-        started.set()
-        gate.wait(120)
-
-    t = threading.Thread(target=engine.call, args=(block,), daemon=True)
-    t.start()
-    assert started.wait(60), "the engine never ran the blocking call"
-    try:
-        yield t.is_alive
-    finally:
-        gate.set()
-        t.join(60)
 
 
 def wait_for(cond, timeout=60.0, what="condition"):

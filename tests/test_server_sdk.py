@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from agent_bridge.app import create_app
-from server_harness import RunningServer, check_anthropic_stream
+from server_harness import RunningServer, check_anthropic_stream, engine_held
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 OPENAI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
@@ -242,10 +242,18 @@ def test_client_disconnect_cancels_generation(tiny_engine):
             for line in r.iter_lines():
                 if "text_delta" in line:
                     break
+            # held, the job can't end on its own before its client leaves, however fast the CPU
+            # (the tiny model writes its 4,000 tokens in a second or two, or stops sooner)
+            with engine_held(tiny_engine):
+                r.close()
+                deadline = time.monotonic() + 30
+                while metrics.in_flight and time.monotonic() < deadline:  # the server noticed
+                    time.sleep(0.05)
+                assert metrics.in_flight == 0
         deadline = time.monotonic() + 60
         while not metrics.finishes["cancelled"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert metrics.finishes["cancelled"] == 1 and metrics.in_flight == 0
+        assert metrics.finishes["cancelled"] == 1 and metrics.in_flight == 0, dict(metrics.finishes)
         r = httpx.post(srv.url + "/v1/messages", timeout=60,
                        json={"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 3
@@ -262,15 +270,17 @@ def test_client_gone_while_queued_is_never_run(tiny_engine):
             lines = first.iter_lines()
             while "text_delta" not in next(lines):
                 pass
-            with pytest.raises(httpx.ReadTimeout):  # queued behind the first: no answer yet, give up
-                httpx.post(srv.url + "/v1/chat/completions", timeout=httpx.Timeout(60, read=1.0),
-                           json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000, "stream": True})
-            deadline = time.monotonic() + 30
-            while metrics.in_flight > 1 and time.monotonic() < deadline:  # noticed while still queued
-                time.sleep(0.05)
-            assert metrics.in_flight == 1, metrics.in_flight
-        # a request queued after them runs once the first ends; had the abandoned one run, its
-        # generation would have finished before this one's
+            with engine_held(tiny_engine):  # the first job can't end on its own meanwhile, however fast the CPU
+                with pytest.raises(httpx.ReadTimeout):  # queued behind the first: no answer yet, give up
+                    httpx.post(srv.url + "/v1/chat/completions", timeout=httpx.Timeout(60, read=1.0),
+                               json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000,
+                                     "stream": True})
+                deadline = time.monotonic() + 30
+                while metrics.in_flight > 1 and time.monotonic() < deadline:  # noticed while still queued
+                    time.sleep(0.05)
+                assert metrics.in_flight == 1, metrics.in_flight
+        # the first's client has left too (its job cancelled, or ended on its own); a request queued
+        # after them runs next; had the abandoned one run, it would have finished before this one
         r = httpx.post(srv.url + "/v1/messages", timeout=120,
                        json={"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200
