@@ -151,7 +151,9 @@ def test_engine_joins_each_sequence_once_and_the_prefix_cache_gets_its_kv(tiny_e
 def test_cancelled_or_failed_sequences_give_their_rows_back(tiny_model_dir, target):
     with Engine(str(tiny_model_dir), max_batch=2, prefix_cache=False) as engine:
         ids = engine.encode("one two three one two three one two")
-        jobs = [engine.submit(GenerationRequest(ids, max_tokens=200, mode="lookup")) for _ in range(2)]
+        # long enough that neither ends before it is cancelled: long drafts of a loop end 200 tokens
+        # in a few rounds, and the reader may trail the engine by a few
+        jobs = [engine.submit(GenerationRequest(ids, max_tokens=2000, mode="lookup")) for _ in range(2)]
         for j in jobs:
             next(ev for ev in j if type(ev).__name__ == "Tokens")  # both decode, batched
         assert engine.call(lambda t: engine._batch.used) == 2

@@ -77,7 +77,8 @@ def test_join_and_leave_mid_batch(tiny_engine, batched):
     long_job = batched.submit(GenerationRequest(ids[1], max_tokens=120, mode="lookup"))
     first = next(ev for ev in long_job if isinstance(ev, Tokens))  # the long one is decoding
     joiners = [batched.submit(GenerationRequest(i, max_tokens=8, mode="lookup")) for i in (ids[0], ids[3])]
-    leaver = batched.submit(GenerationRequest(ids[2], max_tokens=500, mode="lookup"))
+    # long enough not to end before its reader cancels it (long drafts of a loop are a few rounds)
+    leaver = batched.submit(GenerationRequest(ids[2], max_tokens=3000, mode="lookup"))
     for ev in leaver:  # cancelled mid-batch: the others go on unharmed
         if isinstance(ev, Tokens):
             leaver.cancel()

@@ -19,7 +19,8 @@ import pytest
 from agent_bridge.app import create_app
 from server_harness import RunningServer, check_anthropic_stream, engine_held, sse_events
 
-LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # ~400 tokens: ~50 prefill steps of 8
+# ~2,000 tokens: ~250 prefill steps of 8, a prefill phase long enough for a 20 ms poll to see on any CPU
+LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
 
 
 def long_prompt(tag: str) -> str:

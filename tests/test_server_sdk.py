@@ -106,7 +106,10 @@ def test_openai_completions_and_models(oai, server, forced_engine):
     models = oai.models.list()
     assert [m.id for m in models.data] == [oai.models.retrieve(models.data[0].id).id]
     r = oai.completions.create(model="local", prompt="def add(", max_tokens=5)
-    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    # the prompt is not one the model was trained on, and its training ran on this CPU's kernels:
+    # where its EOS comes first the reply says so
+    n, finish = r.usage.completion_tokens, r.choices[0].finish_reason
+    assert (n, finish) == (5, "length") or (n < 5 and finish == "stop"), (n, finish)
     streamed = "".join(c.choices[0].text for c in oai.completions.create(model="local", prompt="def add(",
                                                                           max_tokens=5, stream=True) if c.choices)
     assert streamed == r.choices[0].text  # greedy: the same text both ways
