@@ -7,9 +7,10 @@ Times the engine's forward of each width at one context depth three times, as tu
 through engine/kernels/quantized_route.py's variables: through MLX's
 quantized kernels; through engine/kernels/narrow_qmm.py where it takes the width (2 to its MAX_ROWS);
 and with every QuantizedLinear dequantized for the forward (engine/kernels/wide_dequantize.py at one
-row). Prints the three with the narrow kernel's reach (the widest width up to which it beats MLX's
-kernels at every width measured: `MLX_DSPARK_NARROW_QMM_ROWS`) and the crossover (the narrowest width
-from which the dequantized forward beats both at every wider width: `MLX_DSPARK_WIDE_DEQUANTIZE_ROWS`).
+row). Prints the three with the rows where the narrow kernel wins (the first run of measured widths
+at which it beats MLX's kernels: `MLX_DSPARK_NARROW_QMM_ROWS=FIRST-LAST`, whose default,
+narrow_qmm.FASTER_FROM to MAX_ROWS, came from this) and the crossover (the narrowest width from
+which the dequantized forward beats both at every wider width: `MLX_DSPARK_WIDE_DEQUANTIZE_ROWS`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,15 @@ def crossover(widths: list[int], quantized: list[float], dequantized: list[float
     return best
 
 
-def narrow_reach(widths: list[int], quantized: list[float], narrow: list[float]) -> int:
-    """The widest width up to which the narrow kernel beats MLX's at every width from 2 (0: not at 2)."""
-    reach = 0
+def narrow_wins(widths: list[int], quantized: list[float], narrow: list) -> tuple[int, int] | None:
+    """The first run of measured widths at which the narrow kernel beats MLX's, as (first, last)."""
+    run = []
     for w, q, n in zip(widths, quantized, narrow):
-        if w < 2:
-            continue
-        if n is None or n >= q:
+        if n is not None and n < q:
+            run.append(w)
+        elif run:
             break
-        reach = w
-    return reach
+    return (run[0], run[-1]) if run else None
 
 
 def main() -> None:
@@ -71,41 +71,42 @@ def main() -> None:
     if "quantization" not in target.config:
         sys.exit(f"{args.model} runs unquantised here (nothing to dequantize)")
 
-    def curve(wide_rows: int, narrow_rows: int, at=widths):
+    def curve(wide_rows: int, narrow_rows: str, at=widths):
         quantized_route.uninstall()
         os.environ["MLX_DSPARK_WIDE_DEQUANTIZE_ROWS"] = str(wide_rows)
-        os.environ["MLX_DSPARK_NARROW_QMM_ROWS"] = str(narrow_rows)
+        os.environ["MLX_DSPARK_NARROW_QMM_ROWS"] = narrow_rows
         quantized_route.install()
         seconds = measure_cost_curve(target, widths=at, depths=(args.depth,), repeats=args.repeats).seconds[0]
         print("ms:", " ".join(f"w{w}={s * 1e3:.1f}" for w, s in zip(at, seconds)), flush=True)
         return seconds
 
     never = 1 << 30
-    quantized = curve(never, 0)
+    quantized = curve(never, "0")
     few = [w for w in widths if w <= narrow_qmm.MAX_ROWS]
-    narrow_at = dict(zip(few, curve(never, narrow_qmm.MAX_ROWS, few)))
+    narrow_at = dict(zip(few, curve(never, f"2-{narrow_qmm.MAX_ROWS}", few)))
     narrow = [narrow_at.get(w) if w >= 2 else None for w in widths]  # None where it doesn't run
-    dequantized = curve(1, 0)
+    dequantized = curve(1, "0")
     quantized_route.uninstall()
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     device = info.get("device_name", str(mx.default_device()))
     best_below = [min(q, n) if n is not None else q for q, n in zip(quantized, narrow)]
     cross = crossover(widths, best_below, dequantized)
-    reach = narrow_reach(widths, quantized, narrow)
+    wins = narrow_wins(widths, quantized, narrow)
     print(f"model {args.model}; depth {args.depth}; MLX {mx.__version__} on {device}")
     print("| width | MLX quantized ms | narrow_qmm ms | dequantized ms | narrow / MLX | dequantized / best |")
     print("|---|---|---|---|---|---|")
     for w, q, n, d, b in zip(widths, quantized, narrow, dequantized, best_below):
         n_ms, n_ratio = (f"{n * 1e3:.2f}", f"{n / q:.2f}") if n is not None else ("-", "-")
         print(f"| {w} | {q * 1e3:.2f} | {n_ms} | {d * 1e3:.2f} | {n_ratio} | {d / b:.2f} |")
-    print(f"narrow reach: {reach or 'none (MLX wins at 2 rows)'}")
+    print("narrow_qmm wins: " + (f"{wins[0]}-{wins[1]} rows (MLX_DSPARK_NARROW_QMM_ROWS={wins[0]}-{wins[1]})"
+                                 if wins else "at no width measured (MLX_DSPARK_NARROW_QMM_ROWS=0)"))
     print(f"crossover: {cross if cross is not None else 'none (the quantized kernels win at every width)'}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "device": device, "mlx": mx.__version__, "depth": args.depth,
             "widths": widths, "quantized_s": quantized, "narrow_s": narrow, "dequantized_s": dequantized,
-            "narrow_reach": reach, "crossover": cross,
+            "narrow_wins": wins, "crossover": cross,
         }, indent=2) + "\n")
 
 

@@ -1,10 +1,12 @@
 """The quantised layer over a few rows on tensor cores (engine/kernels/narrow_qmm.py).
 
 Where MLX CUDA runs: the kernel computes x @ dequantize(W).T, element by element within what rounding
-to bf16/fp16 allows, for every layout it takes, every row count from 2 to MAX_ROWS, K splitting into
-fewer steps than warps and into counts that aren't a multiple of them, and groups of very different
-scales (a scale or bias read from the wrong group or row shows). Anywhere: which layers and widths
-it takes, that only the engine's forwards on MLX CUDA take it, and the variable that asks for it."""
+to bf16/fp16 allows, for every layout it takes, row counts from 2 to MAX_ROWS (each tile count,
+padded ones too), K splitting into fewer steps than warps and into counts that aren't a multiple of
+them, and groups of very different scales (a scale or bias read from the wrong group or row shows).
+Anywhere: which layers and widths it takes, that only the engine's forwards on MLX CUDA take it, by
+default from where it was measured faster, the variable that sets the rows, and that a model's
+instances are built at load."""
 
 from __future__ import annotations
 
@@ -49,12 +51,12 @@ def check(q: nn.QuantizedLinear, x: mx.array) -> None:
 @cuda_only
 @pytest.mark.parametrize("bits,group_size,dtype,k", [
     (8, 64, mx.bfloat16, 1024), (8, 64, mx.bfloat16, 448),  # 16 steps; 7, fewer than the warps
-    (8, 128, mx.float16, 1088), (8, 32, mx.bfloat16, 576),  # 17 and 9 steps: not a multiple of 8
+    (8, 128, mx.float16, 1152), (8, 32, mx.bfloat16, 576),  # 18 and 9 steps: not a multiple of 8
     (4, 64, mx.bfloat16, 1408), (4, 32, mx.float16, 384), (4, 128, mx.bfloat16, 2048)])
 def test_gives_the_dequantized_product(bits, group_size, dtype, k):
     q = layer(272, k, bits, group_size, dtype, seed=bits + group_size + k)
     rng = np.random.default_rng(k)
-    for rows in (2, 7, 8, 9, 31, 64):
+    for rows in (2, 7, 8, 9, 17, 31, 40, 64):  # tiles 1, 1, 1, 2, 3 (as 4), 4, 5 (as 8), 8
         check(q, mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype))
 
 
@@ -81,7 +83,7 @@ def test_takes_only_layouts_it_reads():
 def test_only_engine_forwards_of_few_rows_take_it(monkeypatch):
     monkeypatch.setattr(quantized_route, "on_cuda", lambda: True)  # the route as MLX CUDA sets it up
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
-    monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "8")
+    monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "2-8")
     taken = []
     monkeypatch.setattr(narrow_qmm, "linear", lambda layer, x: taken.append(x.shape) or quantized_route._original(layer, x))
     assert quantized_route.install()
@@ -92,30 +94,62 @@ def test_only_engine_forwards_of_few_rows_take_it(monkeypatch):
         for rows in (1, 2, 8, 9):
             q(mx.zeros((rows, 512), dtype=mx.bfloat16))
     assert taken == [(2, 512), (8, 512)]
-    assert quantized_route.measurement_key()["narrow_qmm_rows"] == 8
+    assert quantized_route.measurement_key()["narrow_qmm_rows"] == "2-8"
+
+
+def test_on_mlx_cuda_from_where_it_was_measured_faster(monkeypatch):
+    monkeypatch.setattr(quantized_route, "on_cuda", lambda: True)
+    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
+    assert quantized_route.install() and quantized_route.narrow_rows == (narrow_qmm.FASTER_FROM, narrow_qmm.MAX_ROWS)
+    assert quantized_route.measurement_key()["narrow_qmm_rows"] == "4-64"
+    quantized_route.uninstall()
+    monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "0")
+    assert quantized_route.install() and quantized_route.narrow_rows == (0, 0)
+    assert "narrow_qmm_rows" not in quantized_route.measurement_key()
 
 
 def test_never_off_mlx_cuda(monkeypatch):
     monkeypatch.setattr(quantized_route, "on_cuda", lambda: False)
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
-    monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "8")
-    assert quantized_route.install() and quantized_route.narrow_rows == 0
+    monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "2-8")
+    assert quantized_route.install() and quantized_route.narrow_rows == (0, 0)
     assert "narrow_qmm_rows" not in quantized_route.measurement_key()
+    assert quantized_route.build_for(nn.Sequential(layer(64, 512, 8, 64))) == 0
 
 
-@pytest.mark.parametrize("value", ["-1", "1", "65", "x", "1.5"])
+@pytest.mark.parametrize("value", ["-1", "1", "65", "x", "1.5", "8", "1-8", "4-65", "8-4", "4-", "\u00b2-4"])
 def test_bad_rows_value_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
     monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", value)
-    with pytest.raises(EngineError, match="MLX_DSPARK_NARROW_QMM_ROWS must be a whole number from 2 to 64"):
+    with pytest.raises(EngineError, match="MLX_DSPARK_NARROW_QMM_ROWS must be FIRST-LAST rows from 2 to 64"):
         quantized_route.install()
 
 
-def test_off_unless_asked_for(monkeypatch):
-    monkeypatch.setattr(quantized_route, "on_cuda", lambda: True)
-    monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
-    assert quantized_route.install() and quantized_route.narrow_rows == 0
-    assert "narrow_qmm_rows" not in quantized_route.measurement_key()
-    quantized_route.uninstall()
-    monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "0")
-    assert quantized_route.install() and quantized_route.narrow_rows == 0
+def test_a_models_instances_are_built_at_load(monkeypatch):
+    """One layout's four tile counts, each once, however many layers share it; layers it can't
+    read build nothing."""
+    built = []
+    monkeypatch.setattr(narrow_qmm, "linear", lambda layer, x: built.append((layer.bits, x.shape)) or mx.zeros((1,)))
+    model = nn.Sequential(layer(64, 512, 8, 64), layer(128, 512, 8, 64), layer(64, 1024, 4, 64),
+                          layer(60, 512, 8, 64), nn.Linear(512, 64))
+    assert narrow_qmm.build_for(model) == 8
+    assert sorted(built) == [(4, (8, 1024)), (4, (16, 1024)), (4, (32, 1024)), (4, (64, 1024)),
+                             (8, (8, 512)), (8, (16, 512)), (8, (32, 512)), (8, (64, 512))]
+
+
+def test_the_default_rows_are_where_the_profile_found_it_faster():
+    """scripts/profile_verify_gpu.py's reading of its H200 run (narrow_qmm's docstring, ms per
+    forward by width) gives the default rows; a kernel that never wins gives none."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_verify_gpu.py"
+    spec = importlib.util.spec_from_file_location("profile_verify_gpu", path)
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    widths = [1, 2, 4, 8, 16, 32, 64]
+    mlx_ms = [11.83, 14.07, 21.83, 21.83, 22.65, 26.44, 30.50]
+    narrow_ms = [None, 15.89, 15.89, 15.89, 18.09, 18.09, 26.67]
+    assert profile.narrow_wins(widths, mlx_ms, narrow_ms) == (narrow_qmm.FASTER_FROM, narrow_qmm.MAX_ROWS)
+    assert profile.narrow_wins(widths, mlx_ms, narrow_ms[:5] + [30.0, 40.0]) == (4, 16)  # the first run only
+    assert profile.narrow_wins(widths, mlx_ms, [None] + [50.0] * 6) is None

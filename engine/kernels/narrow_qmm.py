@@ -8,8 +8,8 @@ paid two to three single steps for what reads the same weights once. Decode on a
 reading weights, so a few rows should cost about what one does.
 
 This kernel computes `x @ dequantize(W).T` with the roles swapped: W's output features are the rows
-of PTX's m16n8k16 product (16 a block), x's rows its 8 columns (x padded to a multiple of 8, up to
-8 tiles). A block's 8 warps split K; each step a lane loads 16 bytes of two feature rows (16 weights
+of PTX's m16n8k16 product (16 a block), x's rows its 8 columns (x padded to 1, 2, 4 or 8 tiles of
+8). A block's 8 warps split K; each step a lane loads 16 bytes of two feature rows (16 weights
 at 8 bits, 32 at 4), dequantizes them in registers (fp32, rounded to x's dtype) straight into its A
 fragment, reads the matching 8-byte pieces of x as its B fragments, and issues one `mma.sync` per 16
 k per tile of 8 rows, with the next step's 16-byte words already loading. No shared memory but the
@@ -19,12 +19,19 @@ anything else keeps MLX's kernels. The sums are fp32 as in MLX's kernels, in ano
 values to rounding, as any two GEMM kernels (lossless speculation compares the target with itself
 through the engine's own forwards, whichever kernel they take).
 
-Off unless `MLX_DSPARK_NARROW_QMM_ROWS=N` (2 to MAX_ROWS) asks for it; engine/kernels/quantized_route.py
-routes. Written 2026-12-04 with no GPU lent: its index logic checked against PTX's fragment layouts in
-a numpy model of the warp, compiled with NVRTC for sm_90a (56 registers at one tile of 8 rows, 140
-at eight, no spills), never yet run. tests/test_narrow_qmm.py checks its values where MLX CUDA runs;
-scripts/profile_verify_gpu.py times it against MLX's kernels by width and prints how far it should
-reach: that figure becomes the default.
+Measured 2026-12-05 on an H200 (mlx-cuda-13 0.32.4; tests/test_narrow_qmm.py passes there), the
+engine's forward of the 8-bit 8B yardstick at depth 2048 (scripts/profile_verify_gpu.py), ms:
+
+| rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
+|---|---|---|---|---|---|---|---|
+| MLX's kernels | 11.8 | 14.1 | 21.8 | 21.8 | 22.6 | 26.4 | 30.5 |
+| narrow_qmm | - | 15.9 | 15.9 | 15.9 | 18.1 | 18.1 | 26.7 |
+
+So engine forwards of FASTER_FROM to MAX_ROWS rows take it by default on MLX CUDA
+(engine/kernels/quantized_route.py routes; `MLX_DSPARK_NARROW_QMM_ROWS` sets the range). Each
+(dtype, bits, group, tiles) instance took 1.3-2.4 s to build on first use in a process (a second
+process paid 1.3-1.5 s again), hence four tile counts, not eight (2 and 4 tiles cost the same,
+above), built at load by `build_for()`, not in a user's first requests.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 64  # rows (tokens over the batch) one forward may bring: 8 tiles of 8
+FASTER_FROM = 4  # rows from which it beats MLX's kernels (measured above; at 2 MLX's are faster)
+TILE_COUNTS = (1, 2, 4, 8)  # the instances compiled: x's rows padded to one of these tiles of 8
 WARPS = 8  # warps a block, splitting K: enough blocks in flight for a 4096-wide layer on 132 SMs
 TILE_N = 16  # output features a block
 TILE_ROWS = 8  # rows of x a tensor-core tile (x is padded to a multiple)
@@ -176,7 +185,7 @@ def linear(layer: nn.QuantizedLinear, x: mx.array) -> mx.array:
     """What `layer(x)` computes, for `fits(layer, x)`."""
     k = x.shape[-1]
     rows = x.size // k
-    tiles = -(-rows // TILE_ROWS)
+    tiles = next(t for t in TILE_COUNTS if t * TILE_ROWS >= rows)
     x2 = x.reshape(rows, k)
     if tiles * TILE_ROWS > rows:
         x2 = mx.concatenate([x2, mx.zeros((tiles * TILE_ROWS - rows, k), dtype=x.dtype)])
@@ -189,3 +198,17 @@ def linear(layer: nn.QuantizedLinear, x: mx.array) -> mx.array:
         output_shapes=[(tiles * TILE_ROWS, n)], output_dtypes=[x.dtype])[0]
     y = out[:rows].reshape(*x.shape[:-1], n)
     return y + layer["bias"] if "bias" in layer else y
+
+
+def build_for(model: nn.Module) -> int:
+    """Compile the instances `model`'s quantised layers would take, now (at load) rather than in
+    the first requests that bring each row count; returns how many were built."""
+    layouts = {}
+    for _, layer in model.named_modules():
+        if isinstance(layer, nn.QuantizedLinear):
+            x = mx.zeros((TILE_ROWS, layer["scales"].shape[-1] * layer.group_size), dtype=layer["scales"].dtype)
+            if fits(layer, x):
+                layouts.setdefault((x.dtype, layer.bits, layer.group_size), (layer, x.shape[-1]))
+    for layer, k in layouts.values():
+        mx.eval([linear(layer, mx.zeros((tiles * TILE_ROWS, k), dtype=layer["scales"].dtype)) for tiles in TILE_COUNTS])
+    return len(layouts) * len(TILE_COUNTS)

@@ -2,8 +2,9 @@
 
 - from `MLX_DSPARK_WIDE_DEQUANTIZE_ROWS` rows (default wide_dequantize.MIN_ROWS, 384): the weight
   dequantized for the forward (engine/kernels/wide_dequantize.py: prefill chunks, wide batches);
-- 2 to `MLX_DSPARK_NARROW_QMM_ROWS` rows (unset: none): engine/kernels/narrow_qmm.py, each weight read
-  once on tensor cores (a verify pass, a few streams' decode), where it reads the layout;
+- `MLX_DSPARK_NARROW_QMM_ROWS` rows, FIRST-LAST (default narrow_qmm.FASTER_FROM to MAX_ROWS, 4-64;
+  0: none): engine/kernels/narrow_qmm.py, each weight read once on tensor cores (a verify pass, a
+  few streams' decode), where it reads the layout, on MLX CUDA only;
 - anything else, one row included: MLX's own quantized kernels.
 
 Only the engine's own forwards are routed (`Target` builds them inside `engine_forward()`), so
@@ -27,7 +28,7 @@ from engine.kernels import narrow_qmm, wide_dequantize
 
 _original = None  # QuantizedLinear.__call__ while the route is installed
 min_rows = wide_dequantize.MIN_ROWS  # from here up, dequantized; set at install()
-narrow_rows = 0  # forwards of 2 to this many rows take narrow_qmm (0: none); set at install()
+narrow_rows = (0, 0)  # forwards of this many rows, first to last, take narrow_qmm ((0, 0): none); set at install()
 
 
 def engine_forward():
@@ -40,7 +41,7 @@ def _routed(self, x):
         rows = x.size // x.shape[-1]
         if rows >= min_rows:
             return wide_dequantize.linear(self, x)
-        if rows <= narrow_rows and narrow_qmm.fits(self, x):
+        if narrow_rows[0] <= rows <= narrow_rows[1] and narrow_qmm.fits(self, x):
             return narrow_qmm.linear(self, x)
     return _original(self, x)
 
@@ -63,22 +64,33 @@ def measurement_key() -> dict:
     at which they take other kernels, where any do (nothing on a CPU or Metal, so keys stay)."""
     if _original is None:
         return {}
-    return {"wide_dequantize_rows": min_rows, **({"narrow_qmm_rows": narrow_rows} if narrow_rows else {})}
+    narrow = {"narrow_qmm_rows": "%d-%d" % narrow_rows} if narrow_rows[1] else {}
+    return {"wide_dequantize_rows": min_rows, **narrow}
 
 
-def _rows_from_env(name: str, default: int, low: int, high: int | None = None, off: bool = False) -> int:
-    """The variable's rows: a whole number from low (to high), or 0 where `off` allows it."""
+def _rows_from_env(name: str, default: int, low: int) -> int:
+    """The variable's rows: a whole number from low."""
     env = os.environ.get(name, "").strip()
     if not env:
         return default
-    try:
-        rows = int(env)
-    except ValueError:
-        rows = low - 1
-    if not (off and rows == 0) and (rows < low or (high is not None and rows > high)):
-        bound = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise EngineError(f"{name} must be a whole number {bound}{' (or 0: off)' if off else ''}, not {env!r}")
-    return rows
+    if not env.isdecimal() or int(env) < low:
+        raise EngineError(f"{name} must be a whole number >= {low}, not {env!r}")
+    return int(env)
+
+
+def _narrow_from_env() -> tuple[int, int]:
+    """`MLX_DSPARK_NARROW_QMM_ROWS`: FIRST-LAST within what the kernel takes, 0 for none; unset, the
+    rows where it was measured faster (narrow_qmm.FASTER_FROM to MAX_ROWS)."""
+    name, env = "MLX_DSPARK_NARROW_QMM_ROWS", os.environ.get("MLX_DSPARK_NARROW_QMM_ROWS", "").strip()
+    if not env:
+        return narrow_qmm.FASTER_FROM, narrow_qmm.MAX_ROWS
+    if env == "0":
+        return 0, 0
+    first, _, last = env.partition("-")
+    if first.isdecimal() and last.isdecimal() and 2 <= int(first) <= int(last) <= narrow_qmm.MAX_ROWS:
+        return int(first), int(last)
+    raise EngineError(f"{name} must be FIRST-LAST rows from 2 to {narrow_qmm.MAX_ROWS} "
+                      f"(default {narrow_qmm.FASTER_FROM}-{narrow_qmm.MAX_ROWS}), or 0: off; not {env!r}")
 
 
 def install() -> bool:
@@ -86,9 +98,8 @@ def install() -> bool:
     global _original, min_rows, narrow_rows
     if _original is None and wanted():
         min_rows = _rows_from_env("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", wide_dequantize.MIN_ROWS, 1)
-        # narrow_qmm stays off until timed on a GPU (its docstring), and off anywhere but MLX CUDA
-        narrow = _rows_from_env("MLX_DSPARK_NARROW_QMM_ROWS", 0, 2, narrow_qmm.MAX_ROWS, off=True)
-        narrow_rows = narrow if on_cuda() else 0
+        narrow = _narrow_from_env()
+        narrow_rows = narrow if on_cuda() else (0, 0)  # the kernel runs on MLX CUDA alone
         _original = nn.QuantizedLinear.__call__
         nn.QuantizedLinear.__call__ = _routed
     return _original is not None
@@ -100,4 +111,9 @@ def uninstall() -> None:
         nn.QuantizedLinear.__call__ = _original
         _original = None
     min_rows = wide_dequantize.MIN_ROWS
-    narrow_rows = 0
+    narrow_rows = (0, 0)
+
+
+def build_for(model) -> int:
+    """Compile the narrow_qmm instances this model's forwards will take, at load (0 where none will)."""
+    return narrow_qmm.build_for(model) if _original is not None and narrow_rows[1] else 0

@@ -310,6 +310,7 @@ def load_target(path_or_id: str | Path, dtype: str | None = None, dequantize: bo
     gated_delta_chunked.install()  # many positions of Gated DeltaNet at once (no Metal kernel)
     gpu_attention.install()  # MLX CUDA: verify forwards' attention without a cuDNN graph per shape
     quantized_route.install()  # MLX CUDA: quantised layers by width (dequantized wide, MLX or narrow_qmm narrow)
+    quantized_route.build_for(model)  # narrow_qmm's kernels compiled now (seconds), not in the first requests
     return target
 
 
