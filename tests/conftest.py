@@ -86,5 +86,5 @@ def route_as_found(monkeypatch):
     if rows is not None:
         monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
         monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE_ROWS", str(rows))
-        monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", str(narrow))
+        monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "%d-%d" % narrow if narrow[1] else "0")
         quantized_route.install()
