@@ -14,8 +14,7 @@ from mcp import Client
 
 from agent_bridge.mcp.server import http_mount
 from agent_bridge.app import create_app
-from server_harness import RunningServer
-from server_harness import engine_held
+from server_harness import RunningServer, engine_held
 
 
 @pytest.fixture(scope="module")

@@ -208,7 +208,7 @@ def build_for(model: nn.Module) -> int:
         if isinstance(layer, nn.QuantizedLinear):
             x = mx.zeros((TILE_ROWS, layer["scales"].shape[-1] * layer.group_size), dtype=layer["scales"].dtype)
             if fits(layer, x):
-                layouts.setdefault((x.dtype, layer.bits, layer.group_size), (layer, x.shape[-1]))
-    for layer, k in layouts.values():
-        mx.eval([linear(layer, mx.zeros((tiles * TILE_ROWS, k), dtype=layer["scales"].dtype)) for tiles in TILE_COUNTS])
+                layouts.setdefault((x.dtype, layer.bits, layer.group_size), (layer, x))
+    for layer, x in layouts.values():
+        mx.eval([linear(layer, mx.zeros((tiles * TILE_ROWS, x.shape[-1]), dtype=x.dtype)) for tiles in TILE_COUNTS])
     return len(layouts) * len(TILE_COUNTS)

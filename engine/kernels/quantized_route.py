@@ -81,7 +81,8 @@ def _rows_from_env(name: str, default: int, low: int) -> int:
 def _narrow_from_env() -> tuple[int, int]:
     """`MLX_DSPARK_NARROW_QMM_ROWS`: FIRST-LAST within what the kernel takes, 0 for none; unset, the
     rows where it was measured faster (narrow_qmm.FASTER_FROM to MAX_ROWS)."""
-    name, env = "MLX_DSPARK_NARROW_QMM_ROWS", os.environ.get("MLX_DSPARK_NARROW_QMM_ROWS", "").strip()
+    name = "MLX_DSPARK_NARROW_QMM_ROWS"
+    env = os.environ.get(name, "").strip()
     if not env:
         return narrow_qmm.FASTER_FROM, narrow_qmm.MAX_ROWS
     if env == "0":
