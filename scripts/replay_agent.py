@@ -215,10 +215,19 @@ class Server:
                 "cached_tokens": stats.get("cached_tokens"), "prompt_tokens": stats.get("prompt_tokens")}
 
 
-def replay(server: Server, prompts: list[str], label: str) -> list[dict]:
-    rows = []
+def replay(server: Server, prompts: list[str], label: str, peer: bool = False) -> list[dict | None]:
+    """Each turn's time to first token. A peer that fails a turn (mlx_lm.server out of GPU memory
+    on a long session's 38k-token turn, answering 404 after its generation thread died) ends its
+    replay there: its remaining turns are None and ours still run."""
+    rows: list[dict | None] = []
     for i, p in enumerate(prompts, 1):
-        row = server.ttft(p)
+        try:
+            row = server.ttft(p)
+        except httpx.HTTPError as e:
+            if not peer:
+                raise
+            print(f"  {label} turn {i}: failed ({e}); its later turns skipped, see {server.log}", flush=True)
+            return rows + [None] * (len(prompts) - len(rows))
         rows.append(row)
         cached = "" if row["cached_tokens"] is None else f", {row['cached_tokens']} cached"
         print(f"  {label} turn {i}: {row['ttft_s']:.2f} s{cached}  (load {load_avg()})", flush=True)
@@ -233,7 +242,7 @@ def replay_peer(prompts: list[str], args, work: Path) -> list[dict]:
                   port, work / "mlx_lm_server.log")
     peer.start()
     try:
-        return replay(peer, prompts, "mlx_lm.server")
+        return replay(peer, prompts, "mlx_lm.server", peer=True)
     finally:
         peer.stop()
 
@@ -295,9 +304,11 @@ def report(r: dict) -> None:
     print(f"| turn | tokens | mlx_lm.server | serve | ratio |\n|---|---|---|---|---|")
     for i, (a, b) in enumerate(zip(peer, ours), 1):
         print(f"| {i}{', cold' if i == 1 else ''} | {r['tokens'][i - 1]} | {vs(a and a['ttft_s'], b['ttft_s'])} |")
-    if r["mlx_lm"]:
+    if r["mlx_lm"] and None in peer:
+        print(f"| total waiting | | mlx_lm.server failed at turn {peer.index(None) + 1} | {sum(x['ttft_s'] for x in ours):.1f} s | - |")
+    elif r["mlx_lm"]:
         print(f"| total waiting | | {vs(sum(x['ttft_s'] for x in peer), sum(x['ttft_s'] for x in ours), '.1f')} |")
-    if r["mlx_lm"] and len(peer) > 1:
+    if r["mlx_lm"] and len(peer) > 1 and None not in peer:
         print(f"| warm turns, worst | | {vs(max(x['ttft_s'] for x in peer[1:]), max(x['ttft_s'] for x in ours[1:]))} |")
     cold = ours[0]["ttft_s"]
     for key, label in (("after_kill9", "kill -9"), ("after_kill9_written", "its writes, kill -9"),

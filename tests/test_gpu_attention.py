@@ -19,16 +19,23 @@ def qkv(B, H, Hk, L, S, D=16, seed=0):
     return make(B, H, L, D), make(B, Hk, S, D), make(B, Hk, S, D)
 
 
+@pytest.fixture(params=[1, 16, 256], ids=lambda b: f"key_block{b}")
+def key_block(request, monkeypatch):
+    """Keys as they come (1), padded to the next multiple of 16 (40 -> 48) and of 256: the padding is masked."""
+    monkeypatch.setattr(gpu_attention, "KEY_BLOCK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("H,Hk", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("mask", [None, "causal"])
-def test_equals_mlx_attention(H, Hk, mask):
+def test_equals_mlx_attention(H, Hk, mask, key_block):
     q, k, v = qkv(2, H, Hk, L=7, S=40)
     ours = gpu_attention.attention(q, k, v, 0.25, mask)
     mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     np.testing.assert_allclose(np.array(ours), np.array(mlx), rtol=1e-5, atol=1e-6)
 
 
-def test_causal_mask_hides_later_keys():
+def test_causal_mask_hides_later_keys(key_block):
     q, k, v = qkv(1, 2, 2, L=3, S=10)
     out = gpu_attention.attention(q, k, v, 0.5, "causal")
     v2 = mx.concatenate([v[:, :, :8], v[:, :, 8:] + 100.0], axis=2)  # keys only the last query sees
@@ -37,7 +44,7 @@ def test_causal_mask_hides_later_keys():
     assert not np.allclose(np.array(out[:, :, 2]), np.array(out2[:, :, 2]))
 
 
-def test_batched_rows_boolean_and_additive_masks():
+def test_batched_rows_boolean_and_additive_masks(key_block):
     """Rows at their own depths (a batched verify forward's mask), per head and shared."""
     B, H, Hk, L, S = 3, 6, 2, 5, 30
     q, k, v = qkv(B, H, Hk, L, S, seed=1)

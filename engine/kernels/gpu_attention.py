@@ -10,6 +10,9 @@ is two matmuls and a softmax, its scores in float32, kernels MLX builds per dtyp
 are a few MB at verify widths. Prefill chunks (wider) stay with cuDNN: their shapes repeat,
 because chunks end at multiples of the chunk size (engine/model/vision.py `prefill_chunks`).
 Decoding (one query) stays with MLX's vector kernel. `MLX_DSPARK_GPU_ATTENTION=0` turns it off.
+Even so a round's depth is new every round, and the two matmuls cost more at a shape met for the
+first time; keys padded with masked zeros to a multiple of KEY_BLOCK (256) made a refactor's
+verify rounds 29-30 ms instead of 31-33 on an H100 (8B yardstick, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,6 +27,18 @@ from engine.kernels.cpu_attention import MAX_WIDTH
 _original = None
 
 
+def _key_block() -> int:
+    """Keys padded (masked) to a multiple of this (1: as they come): a verify round's depth is
+    new every round, and without it every round's two attention matmuls meet a new shape."""
+    raw = os.environ.get("MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK", "256")
+    if not raw.isdecimal() or int(raw) < 1:
+        raise ValueError(f"MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK takes a whole number >= 1 (1: no padding), not {raw!r}")
+    return int(raw)
+
+
+KEY_BLOCK = _key_block()
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
     """softmax(q k^T * scale + mask) v, the query heads that share a kv head in one matmul.
     `mask`: None, "causal" (bottom-right: the last query sees every key) or an array
@@ -31,6 +46,18 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
     g = H // Hk
+    padded = -(-S // KEY_BLOCK) * KEY_BLOCK if KEY_BLOCK > 1 else S
+    if padded > S:  # zero keys and values past S, masked out below
+        if mask is None:
+            mask = mx.arange(padded) < S
+        elif isinstance(mask, mx.array):
+            fill = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
+            mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, padded - S)], constant_values=fill)
+        elif mask == "causal":
+            mask = mx.arange(padded)[None, :] <= mx.arange(S - L, S)[:, None]
+        keys = mx.pad(keys, [(0, 0), (0, 0), (0, padded - S), (0, 0)])
+        values = mx.pad(values, [(0, 0), (0, 0), (0, padded - S), (0, 0)])
+        S = padded
     # Scores in float32, as cuDNN keeps them: bf16 scores would round away the small logit
     # differences that decide a greedy pick, and differently for each shape of the matmul.
     q = (queries.astype(mx.float32) * scale).reshape(B, Hk, g * L, D)
