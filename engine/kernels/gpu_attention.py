@@ -28,8 +28,7 @@ _original = None
 
 
 def _key_block() -> int:
-    """Keys padded (masked) to a multiple of this (1: as they come): a verify round's depth is
-    new every round, and without it every round's two attention matmuls meet a new shape."""
+    """Keys are padded (masked) to a multiple of this; 1: as they come (the module says why)."""
     raw = os.environ.get("MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK", "256")
     if not raw.isdecimal() or int(raw) < 1:
         raise ValueError(f"MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK takes a whole number >= 1 (1: no padding), not {raw!r}")
@@ -46,15 +45,15 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
     g = H // Hk
-    padded = -(-S // KEY_BLOCK) * KEY_BLOCK if KEY_BLOCK > 1 else S
-    if padded > S:  # zero keys and values past S, masked out below
+    if isinstance(mask, str):  # "causal"
+        mask = mx.arange(S)[None, :] <= mx.arange(S - L, S)[:, None]
+    padded = -(-S // KEY_BLOCK) * KEY_BLOCK
+    if padded > S:  # zero keys and values past S, masked out
         if mask is None:
             mask = mx.arange(padded) < S
-        elif isinstance(mask, mx.array):
+        else:
             fill = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
             mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, padded - S)], constant_values=fill)
-        elif mask == "causal":
-            mask = mx.arange(padded)[None, :] <= mx.arange(S - L, S)[:, None]
         keys = mx.pad(keys, [(0, 0), (0, 0), (0, padded - S), (0, 0)])
         values = mx.pad(values, [(0, 0), (0, 0), (0, padded - S), (0, 0)])
         S = padded
@@ -62,9 +61,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     # differences that decide a greedy pick, and differently for each shape of the matmul.
     q = (queries.astype(mx.float32) * scale).reshape(B, Hk, g * L, D)
     scores = (q @ mx.swapaxes(keys.astype(mx.float32), -1, -2)).reshape(B, Hk, g, L, S)
-    if isinstance(mask, str):  # "causal"
-        mask = mx.arange(S)[None, :] <= mx.arange(S - L, S)[:, None]
-    if isinstance(mask, mx.array):
+    if mask is not None:
         mask = _per_kv_head(mask, Hk, g)
         scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
     weights = mx.softmax(scores, axis=-1).astype(values.dtype)  # as cuDNN multiplies them
