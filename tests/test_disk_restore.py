@@ -285,3 +285,21 @@ def test_sigterm_and_kill_9_restarts_read_the_same_segments(tiny_model_dir, plai
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
+
+
+def test_on_cuda_the_tier_keeps_host_buffers_out_of_mlx_buffer_cache(tmp_path, monkeypatch):
+    """MLX CUDA moves a buffer the host reads (the tier's np.asarray) into unified memory for good;
+    its buffer cache would hand it out again as a device array. With a tier on CUDA, freed buffers
+    go back to the driver (cache limit 0); elsewhere (unified memory, CPU) the cache is left alone."""
+    import mlx.core as mx
+
+    before = mx.set_cache_limit(1 << 30)
+    mx.set_cache_limit(before)
+    try:
+        kv_disk.DiskTier(tmp_path / "here", "id", 1 << 30).close()
+        assert mx.set_cache_limit(before) == before
+        monkeypatch.setattr(kv_disk, "on_cuda", lambda: True)
+        kv_disk.DiskTier(tmp_path / "cuda", "id", 1 << 30).close()
+        assert mx.set_cache_limit(before) == 0
+    finally:
+        mx.set_cache_limit(before)
