@@ -72,7 +72,7 @@ def free_buffers_to_the_driver() -> None:
     The tier reads arrays on the host and fills them there (np.asarray), and MLX CUDA moves such
     a buffer into unified memory for good; its buffer cache would then hand it out again as a
     device array, whose pages the GPU faults back in (one H100, long-session at the 8B shape:
-    warm turns up to 2x slower, decode 30-50% slower). The driver's own pool (cudaMallocAsync)
+    warm turns up to 2x slower, decode 35-55% slower). The driver's own pool (cudaMallocAsync)
     serves device arrays without that."""
     if on_cuda():
         mx.set_cache_limit(0)
