@@ -3,15 +3,15 @@
     .venv/bin/python scripts/replay_agent.py [--fixtures rename-session,long-session] [--model DIR]
         [--context-window N] [--no-restarts] [--no-peer] [--json OUT.json]
 
-Each request of ../shared/fixtures/claude-code/<name>.jsonl is rendered once, as `serve` renders
-it (the model's chat template, ChatML for the bundled model), and the same text goes to both
-servers' /v1/completions (streaming, max_tokens 1, greedy). Both servers are started here, one at a
-time, on the same model: on a CPU in float32 (a float32 copy is made for mlx_lm.server) with
-OpenBLAS preloaded; on a GPU the checkpoint as it is, on both sides. Each server gets one warm-up
-request first (a GPU compiles its kernels on first use), not counted. Printed per turn: prompt
-tokens and each server's time to first token; then the total waiting, and for `serve` the last
-turn again after a `kill -9` and restart, and after a SIGTERM and restart (a fresh cache folder
-at the start). Fixtures that are absent are skipped.
+Each request of ../shared/fixtures/claude-code/<name>.jsonl is rendered once, as `serve` renders it
+(the model's chat template, ChatML for the bundled model), and the same text goes to both servers'
+/v1/completions (streaming, max_tokens 1, greedy). Both servers are started here, one at a time, on
+the same model: on a CPU in float32 (a float32 copy is made for mlx_lm.server) with OpenBLAS
+preloaded; on a GPU the checkpoint as it is, on both sides. Each server gets one warm-up request
+first (a GPU compiles its kernels on first use), longer than a prefill chunk, not counted. Printed
+per turn: prompt tokens and each server's time to first token; then the total waiting, and for
+`serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and restart (a fresh
+cache folder at the start). Fixtures that are absent are skipped.
 
 Split over ranks (issue 32): `--ranks 2 [--split tensor|pipeline] [--delay-ms 5]` starts both
 servers as that many ring ranks on localhost (engine/bench/shaped_link.py, which adds the
@@ -42,7 +42,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 START_TIMEOUT_S = 600
-WARM_UP = "Say hello."  # each server's first request, not counted (shares no prefix with the sessions)
+# Each server's first request, not counted, sharing no prefix with the sessions: ~5,300 tokens
+# (the bundled tokenizer's count), more than a prefill chunk on either side (mlx_lm.server's 2048,
+# ours at most 4096), so a GPU compiles its prefill kernels here, not in the first measured turn
+# (after "Say hello.", a fresh H200's mlx_lm.server took 48.7 s for long-session's first turn).
+WARM_UP = "Say hello after counting: " + " ".join(str(i) for i in range(1700))
+# After a restart, a short one: the long one's KV would come back from the disk tier first and
+# move the read rate the tier decides by, before the restored turn that is measured.
+RESTART_WARM_UP = "Say hello."
 
 
 def fixtures_root() -> Path:
@@ -136,7 +143,7 @@ class Server:
         self.env, self.cwd = env or server_env(), cwd
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> float:
+    def start(self, warm_up: str = WARM_UP) -> float:
         """Seconds until /health says 200; then one warm-up request, not counted."""
         t0 = time.perf_counter()
         f = open(self.log, "a")
@@ -154,7 +161,7 @@ class Server:
                 time.sleep(0.25)
                 continue
             started = time.perf_counter() - t0
-            self.ttft(WARM_UP)  # not counted: a GPU compiles its kernels on first use
+            self.ttft(warm_up)  # not counted: a GPU compiles its kernels on first use
             return started
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"{self.name} did not start in {START_TIMEOUT_S} s; see {self.log}")
@@ -273,18 +280,18 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
         result["serve"] = replay(ours, prompts, "serve")
         if not args.no_restarts:
             ours.stop(signal.SIGKILL)  # right after the last turn: its newest segments may be unwritten
-            ours.start()
+            ours.start(RESTART_WARM_UP)
             result["after_kill9"] = ours.restored(prompts[-1])
             print(f"  serve last turn after kill -9 + restart: {result['after_kill9']['ttft_s']:.2f} s", flush=True)
             # the same once the disk tier has caught up (a crash some seconds after the turn)
             result["written_s"] = ours.wait_written()
             ours.stop(signal.SIGKILL)
-            ours.start()
+            ours.start(RESTART_WARM_UP)
             result["after_kill9_written"] = ours.restored(prompts[-1])
             print(f"  serve last turn after its writes ({result['written_s']:.1f} s), kill -9 + restart: "
                   f"{result['after_kill9_written']['ttft_s']:.2f} s", flush=True)
             result["sigterm_stop_s"] = ours.stop(signal.SIGTERM)
-            ours.start()
+            ours.start(RESTART_WARM_UP)
             result["after_sigterm"] = ours.restored(prompts[-1])
             print(f"  serve last turn after SIGTERM + restart: {result['after_sigterm']['ttft_s']:.2f} s", flush=True)
     finally:
