@@ -88,3 +88,11 @@ def test_prefill_chunks_end_at_multiples_of_the_size(depth):
     assert all(a == b for (_, a), (b, _) in zip(chunks, chunks[1:]))  # contiguous
     assert all((depth + stop) % 8 == 0 for _, stop in chunks[:-1])
     assert all(0 < stop - start <= 8 for start, stop in chunks)
+
+
+@pytest.mark.parametrize("depth", [0, 5, 13, 15])
+def test_a_prefill_that_fits_in_one_chunk_is_one(depth):
+    """A warm turn's few tokens stay one forward even where they cross a multiple of the size."""
+    assert prefill_chunks(8, 8, depth=depth) == [(0, 8)]
+    assert prefill_chunks(5, 8, depth=depth) == [(0, 5)]
+    assert prefill_chunks(0, 8, depth=depth) == []

@@ -233,7 +233,11 @@ def prefill_chunks(total: int, size: int, features: ImageFeatures | None = None,
     the cached prefix isn't one), except that a chunk which would end inside an image that must be
     read whole ends after it instead. Aligned chunks give every prompt the same (chunk, keys)
     attention shapes, which a GPU backend that builds a kernel plan per shape (MLX CUDA's cuDNN)
-    builds once, not once per prompt."""
+    builds once, not once per prompt. A prefill that fits in one chunk is one: aligned, a warm
+    turn's few tokens would split in two forwards where they cross a multiple, each a new shape
+    anyway (on an H100, +80 tokens at depth 20,426: 143 + 59 ms against ~80 for one)."""
+    if total <= size:
+        return [(0, total)] if total else []
     whole = features.whole_images() if features is not None else []
     chunks, start = [], 0
     while start < total:
