@@ -9,6 +9,7 @@ mostly rejected and doubles it back after full acceptances.
 
 from __future__ import annotations
 
+from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.caches.radix_tree import common_prefix
@@ -17,10 +18,21 @@ from engine.drafting.drafter import Draft, Drafter
 NGRAM_SIZES = (8, 4, 2)  # probe the most specific first
 MAX_CANDIDATES = 16  # most recent occurrences examined per query
 MAX_MATCH = 64  # backward extension limit
+WIDEST = max(NGRAM_SIZES)
+TOKEN_BITS = 32  # a token id's room in a packed n-gram key
+_MASKS = {n: (1 << (TOKEN_BITS * n)) - 1 for n in NGRAM_SIZES}
 # Continues (or rebuilds) a request's context index while its prefill runs: MLX computes without
 # the GIL, so the first token doesn't wait for the index (after a long divergent reply, rebuilding
 # 15k tokens' n-grams takes a few hundred ms on a slow CPU). One worker: takes never overlap.
 _INDEXER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookup-index")
+
+
+def pack(tokens: list[int]) -> int:
+    """An n-gram as one int, the last token in the lowest bits (as `TokenIndex.extend` rolls it)."""
+    key = 0
+    for t in tokens:
+        key = (key << TOKEN_BITS) | t
+    return key
 
 
 def draft_length_for_match(match_len: int) -> int:
@@ -39,36 +51,53 @@ def draft_length_for_match(match_len: int) -> int:
 
 
 class TokenIndex:
-    """A token sequence with an incremental n-gram -> end positions index."""
+    """A token sequence with an incremental n-gram index: for each n, the last end of every
+    n-gram (`heads`) and, for every end, the one before it of the same n-gram (`prev`, -1: none).
+
+    Keys are an n-gram's tokens packed into one int (`pack`), values ints, the chains arrays: none of
+    it is a Python object the garbage collector walks, so an index of a 38k-token prompt adds
+    nothing to a full collection, which on a server's engine thread cost 100-300 ms every few
+    agent turns while the index was a dict of tuples to lists."""
 
     def __init__(self, tokens: list[int] | None = None):
         self.tokens: list[int] = []
-        self.positions: dict[tuple[int, ...], list[int]] = {}
+        self.heads: dict[int, dict[int, int]] = {n: {} for n in NGRAM_SIZES}
+        self.prev: dict[int, array] = {n: array("i") for n in NGRAM_SIZES}
+        self._packed = 0  # the last WIDEST tokens, packed
         self.extend(tokens or [])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: list[int]) -> None:
+        packed = self._packed
         for t in tokens:
             self.tokens.append(t)
             end = len(self.tokens) - 1
+            packed = ((packed << TOKEN_BITS) | t) & _MASKS[WIDEST]
             for n in NGRAM_SIZES:
-                if end + 1 >= n:
-                    key = tuple(self.tokens[end - n + 1 : end + 1])
-                    self.positions.setdefault(key, []).append(end)
+                if end + 1 < n:  # no n-gram ends here yet
+                    self.prev[n].append(-1)
+                    continue
+                heads, key = self.heads[n], packed & _MASKS[n]
+                self.prev[n].append(heads.get(key, -1))
+                heads[key] = end
+        self._packed = packed
 
     def truncate(self, n: int) -> None:
-        """Forget every token from position n on (their n-grams are the lists' tails)."""
+        """Forget every token from position n on (each of their n-grams' chains goes back a link)."""
         for end in range(len(self.tokens) - 1, n - 1, -1):
             for size in NGRAM_SIZES:
                 if end + 1 >= size:
-                    key = tuple(self.tokens[end - size + 1 : end + 1])
-                    ends = self.positions[key]
-                    ends.pop()
-                    if not ends:
-                        del self.positions[key]
+                    key, before = pack(self.tokens[end - size + 1 : end + 1]), self.prev[size][end]
+                    if before < 0:
+                        del self.heads[size][key]
+                    else:
+                        self.heads[size][key] = before
         del self.tokens[n:]
+        for chain in self.prev.values():
+            del chain[n:]
+        self._packed = pack(self.tokens[-WIDEST:])
 
     def best_match(self, suffix: list[int], exclude_end: int | None = None) -> tuple[int, int, int]:
         """(draft length, match length, end position) of the best earlier occurrence of
@@ -79,20 +108,15 @@ class TokenIndex:
         for n in NGRAM_SIZES:
             if len(suffix) < n:
                 continue
-            ends = self.positions.get(tuple(suffix[-n:]))
-            if not ends:
-                continue
-            examined = 0
-            for end in reversed(ends):
-                if end == exclude_end or end + 1 >= len(self.tokens):
-                    continue
-                m = self._match_length(suffix, end)
-                usable = min(draft_length_for_match(m), len(self.tokens) - end - 1)
-                if (usable, m) > best[:2]:
-                    best = (usable, m, end)
-                examined += 1
-                if examined >= MAX_CANDIDATES:
-                    break
+            end, chain, examined = self.heads[n].get(pack(suffix[-n:]), -1), self.prev[n], 0
+            while end >= 0 and examined < MAX_CANDIDATES:  # the most recent first
+                if end != exclude_end and end + 1 < len(self.tokens):
+                    m = self._match_length(suffix, end)
+                    usable = min(draft_length_for_match(m), len(self.tokens) - end - 1)
+                    if (usable, m) > best[:2]:
+                        best = (usable, m, end)
+                    examined += 1
+                end = chain[end]
             if best[0]:
                 return best
         return best
