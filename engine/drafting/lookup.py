@@ -54,23 +54,22 @@ class TokenIndex:
     """A token sequence with an incremental n-gram index: for each n, the last end of every
     n-gram (`heads`) and, for every end, the one before it of the same n-gram (`prev`, -1: none).
 
-    Keys are an n-gram's tokens packed into one int (`pack`), values ints, the chains arrays: none of
-    it is a Python object the garbage collector walks, so an index of a 38k-token prompt adds
-    nothing to a full collection, which on a server's engine thread cost 100-300 ms every few
-    agent turns while the index was a dict of tuples to lists."""
+    Keys are an n-gram's tokens packed into one int (`pack`), values ints, the chains one array per
+    n: a handful of objects the garbage collector tracks, where a dict of tuples to lists made ~80k
+    for a 38k-token prompt, walked by every full collection (100-300 ms on a server's engine
+    thread every few agent turns)."""
 
     def __init__(self, tokens: list[int] | None = None):
         self.tokens: list[int] = []
         self.heads: dict[int, dict[int, int]] = {n: {} for n in NGRAM_SIZES}
         self.prev: dict[int, array] = {n: array("i") for n in NGRAM_SIZES}
-        self._packed = 0  # the last WIDEST tokens, packed
         self.extend(tokens or [])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: list[int]) -> None:
-        packed = self._packed
+        packed = pack(self.tokens[-WIDEST:])
         for t in tokens:
             self.tokens.append(t)
             end = len(self.tokens) - 1
@@ -82,7 +81,6 @@ class TokenIndex:
                 heads, key = self.heads[n], packed & _MASKS[n]
                 self.prev[n].append(heads.get(key, -1))
                 heads[key] = end
-        self._packed = packed
 
     def truncate(self, n: int) -> None:
         """Forget every token from position n on (each of their n-grams' chains goes back a link)."""
@@ -97,7 +95,6 @@ class TokenIndex:
         del self.tokens[n:]
         for chain in self.prev.values():
             del chain[n:]
-        self._packed = pack(self.tokens[-WIDEST:])
 
     def best_match(self, suffix: list[int], exclude_end: int | None = None) -> tuple[int, int, int]:
         """(draft length, match length, end position) of the best earlier occurrence of
