@@ -1,6 +1,7 @@
 """One persistent KV store for every sequence that decodes in a batch.
 
-With `--max-batch` > 1 a sequence's attention KV moves, once its prompt is prefilled, into
+With `--max-batch` > 1 a sequence's attention KV moves, once another sequence's verify forward
+could share its own (the scheduler's `Engine._join_batch`; one decoding alone keeps its cache), into
 a `BatchCache`: per layer one buffer of shape (rows, kv heads, capacity, head dim), a row
 per sequence, each row left-aligned with its own length. The sequence keeps a list of
 `RowCache`s (one per layer, a view of its row) where its `KVCache`s were, so the verify

@@ -4,11 +4,11 @@ With `--max-batch` > 1 each decoding sequence's round hands its verify forward (
 token plus its draft) to the scheduler as a `Forward`; the scheduler runs a step's forwards
 together where the measured batch cost surface (engine/tuning/batch_cost.py) says that pays. The
 sequences' KV already lives in one persistent `BatchCache` (engine/caches/batch_cache.py: joined
-once after prefill, a row each with its own length), so a batched round is one forward over
-the rows with the inputs right-padded to the longest draft (ragged drafts, verbatim copies
-included: a padded position comes after every real one, so causally no real token sees it,
-and it lies past its row's length afterwards) and no KV copy. Weights are read once for the
-batch instead of once per sequence: that is the throughput gain.
+once, when a second sequence's forward could share one; a row each with its own length), so a
+batched round is one forward over the rows with the inputs right-padded to the longest draft
+(ragged drafts, verbatim copies included: a padded position comes after every real one, so
+causally no real token sees it, and it lies past its row's length afterwards) and no KV copy.
+Weights are read once for the batch instead of once per sequence: that is the throughput gain.
 
 Only plain `KVCache`s join a batch (quantised, rotating and recurrent caches run alone), and
 a batched matmul may round differently from a single row's: outputs equal running alone,
