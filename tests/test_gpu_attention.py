@@ -1,7 +1,8 @@
 """The verify-width attention for MLX CUDA (engine/kernels/gpu_attention.py), checked on any
 device against MLX's own kernel: the same softmax(q k^T * scale + mask) v for grouped heads,
-the causal mask, a batched verify's per-row boolean mask and an additive one. And the prefill
-chunks that end at multiples of the chunk size (engine/model/vision.py), so shapes repeat."""
+the causal mask, a batched verify's per-row boolean mask and an additive one; a short prefill
+chunk's attention in a bucket. And the prefill chunks that end at multiples of the chunk size
+(engine/model/vision.py), so shapes repeat."""
 
 from __future__ import annotations
 
@@ -72,6 +73,42 @@ def test_takes_verify_widths_in_half_precision_only():
     assert not takes(8, mx.float32)  # cuDNN never takes float32
     q = mx.zeros((1, 8, 8, 64), dtype=mx.bfloat16)
     assert not gpu_attention.takes(q, mx.zeros((1, 2, 9, 64), dtype=mx.bfloat16), None, mx.zeros((8,)))  # sinks
+
+
+@pytest.mark.parametrize("L,S", [(65, 65), (100, 4100), (130, 5000), (512, 9000)])
+def test_a_bucketed_prefill_chunk_equals_mlx_causal_attention(L, S, monkeypatch):
+    """Queries padded to a bucket, keys to a multiple of BUCKET_KEYS (small here), an array mask:
+    the real rows equal MLX's own causal attention of the chunk, whether the chunk starts the
+    prompt (L == S) or extends a cached one."""
+    monkeypatch.setattr(gpu_attention, "BUCKET_KEYS", 1024)
+    q, k, v = qkv(1, 4, 2, L=L, S=S)
+    ours = gpu_attention.bucketed(q, k, v, 0.25, mx.fast.scaled_dot_product_attention)
+    mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert ours.shape == mlx.shape
+    np.testing.assert_allclose(np.array(ours), np.array(mlx), rtol=1e-4, atol=1e-5)
+
+
+def test_takes_short_causal_prefill_chunks_in_buckets():
+    def takes(L, dtype=mx.bfloat16, mask="causal"):
+        q = mx.zeros((1, 8, L, 64), dtype=dtype)
+        return gpu_attention.takes_bucketed(q, mx.zeros((1, 2, 9000, 64), dtype=dtype), mask, None)
+
+    assert takes(gpu_attention.MAX_WIDTH + 1) and takes(gpu_attention.BUCKET_QUERIES[-1], mx.float16)
+    assert not takes(gpu_attention.MAX_WIDTH)  # a verify forward: the plain ops
+    assert not takes(gpu_attention.BUCKET_QUERIES[-1] + 1)  # a long chunk: its own shape (they repeat)
+    assert not takes(200, mx.float32) and not takes(200, mask=None)
+    assert not takes(200, mask=mx.ones((200, 9000), dtype=mx.bool_))
+
+
+def test_build_for_builds_each_bucket_of_each_attention_shape(target, monkeypatch):
+    """Every bucket up to the context window, for each (heads, kv heads, head size) the model's
+    attention layers have; nothing where the routing isn't installed (off MLX CUDA)."""
+    monkeypatch.setattr(gpu_attention, "_original", None)
+    assert gpu_attention.build_for(target.model, 9000, mx.bfloat16) == 0
+    monkeypatch.setattr(gpu_attention, "_original", mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(gpu_attention, "BUCKET_KEYS", 2048)
+    assert gpu_attention.build_for(target.model, 5000, mx.float32) == 0  # cuDNN never takes float32
+    assert gpu_attention.build_for(target.model, 5000, mx.bfloat16) == 3 * len(gpu_attention.BUCKET_QUERIES)
 
 
 def test_not_installed_off_cuda():

@@ -13,10 +13,22 @@ Decoding (one query) stays with MLX's vector kernel. `MLX_DSPARK_GPU_ATTENTION=0
 Even so a round's depth is new every round, and the two matmuls cost more at a shape met for the
 first time; keys padded with masked zeros to a multiple of KEY_BLOCK (256) made a refactor's
 verify rounds 29-30 ms instead of 31-33 on an H100 (8B yardstick, docs/benchmarks.md).
+
+A short prefill chunk (an agent's warm turn adds ~80-500 tokens, past MAX_WIDTH) stays with cuDNN,
+whose attention beats the plain ops there, but its shape, (new tokens, depth), is new every turn,
+and cuDNN's build of it (51-64 ms on an H100, against 0.3-0.5 ms for the attention itself) was a
+fifth to a third of such a turn. So a chunk of up to BUCKET_QUERIES[-1] queries runs in a bucket:
+its queries padded to the next of BUCKET_QUERIES, its keys and values with masked zeros to a
+multiple of BUCKET_KEYS, the causal mask an additive array, only the real rows kept; `build_for`
+builds every bucket's graph up to the context window when the model loads (48 graphs in 3.7 s for
+a 65,536-token window on an H100). A bucket's attention costs about twice the chunk's own
+(0.7-1.2 ms a layer at 111-300 queries over 15-22k keys), ~15 ms a forward of 36 layers: less
+than the build it saves on every turn (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
@@ -36,6 +48,8 @@ def _key_block() -> int:
 
 
 KEY_BLOCK = _key_block()
+BUCKET_QUERIES = (128, 256, 512)  # a short prefill chunk's queries are padded to the first that holds them
+BUCKET_KEYS = 4096  # ...and its keys to a multiple of this
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
@@ -69,6 +83,59 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     return out.reshape(B, H, L, values.shape[-1])
 
 
+def bucketed(queries: mx.array, keys: mx.array, values: mx.array, scale: float, sdpa) -> mx.array:
+    """`sdpa` (MLX's fused attention) of a causal prefill chunk at a bucket's shape: queries padded
+    to the first of BUCKET_QUERIES that holds them, keys and values with zeros to a multiple of
+    BUCKET_KEYS, those masked out. The real rows see what the bottom-right causal mask lets them
+    see; a padded row sees every real key (no row is wholly masked), and is dropped."""
+    L, S = queries.shape[2], keys.shape[2]
+    rows = next(b for b in BUCKET_QUERIES if b >= L)
+    cols = -(-S // BUCKET_KEYS) * BUCKET_KEYS
+    pad = lambda a, n: mx.pad(a, [(0, 0), (0, 0), (0, n - a.shape[2]), (0, 0)])  # noqa: E731
+    mask = _causal_bias(L, S, rows, cols, queries.dtype)
+    return sdpa(pad(queries, rows), pad(keys, cols), pad(values, cols), scale=scale, mask=mask)[:, :, :L, :]
+
+
+@functools.lru_cache(maxsize=1)
+def _causal_bias(L: int, S: int, rows: int, cols: int, dtype) -> mx.array:
+    """The bucket's mask, additive in the queries' dtype (a boolean one MLX would widen to every
+    head, per layer), (rows, cols): MLX broadcasts it over batch and heads without a copy. One
+    forward's layers share it."""
+    col = mx.arange(cols)
+    visible = (col[None, :] <= mx.arange(S - L, S - L + rows)[:, None]) & (col < S)[None, :]
+    return mx.where(visible, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+
+
+def takes_bucketed(queries, keys, mask, sinks) -> bool:
+    """A causal prefill chunk wider than a verify forward and at most the widest bucket, half
+    precision, no sinks: cuDNN's, at a bucket's shape."""
+    if sinks is not None or not isinstance(mask, str) or mask != "causal" or queries.ndim != 4 or keys.ndim != 4:
+        return False
+    return queries.dtype in (mx.bfloat16, mx.float16) and MAX_WIDTH < queries.shape[2] <= BUCKET_QUERIES[-1]
+
+
+def build_for(model, context_window: int, dtype) -> int:
+    """Build cuDNN's graph of every bucket up to `context_window` keys for `model`'s attention
+    layers (those with n_heads, n_kv_heads and a k_proj), now, on the calling thread: MLX keeps
+    cuDNN's graphs per thread, and the engine's forwards run on the thread that loads the model.
+    Returns how many were built (0 where the routing isn't installed)."""
+    if _original is None or dtype not in (mx.bfloat16, mx.float16):
+        return 0
+    shapes = set()
+    for _, layer in model.named_modules():
+        heads, kv_heads, k_proj = (getattr(layer, a, None) for a in ("n_heads", "n_kv_heads", "k_proj"))
+        if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads and k_proj is not None:
+            shapes.add((heads, kv_heads, k_proj.weight.shape[0] // kv_heads))
+    built = 0
+    for heads, kv_heads, dim in shapes:
+        for cols in range(BUCKET_KEYS, -(-context_window // BUCKET_KEYS) * BUCKET_KEYS + 1, BUCKET_KEYS):
+            kv = mx.zeros((1, kv_heads, cols, dim), dtype)
+            for rows in BUCKET_QUERIES:
+                mx.eval(bucketed(mx.zeros((1, heads, rows, dim), dtype), kv, kv, dim ** -0.5, _original))
+                built += 1
+    return built
+
+
 def _per_kv_head(mask: mx.array, kv_heads: int, group: int) -> mx.array:
     """A (.., heads or 1, L, S) mask in the scores' (B, kv heads, group, L, S) layout."""
     if mask.ndim < 4:
@@ -91,9 +158,12 @@ def takes(queries, keys, mask, sinks) -> bool:
 
 
 def _routed(queries, keys, values, *args, scale=None, mask=None, sinks=None, **kwargs):
-    if args or kwargs or scale is None or not takes(queries, keys, mask, sinks):
-        return _original(queries, keys, values, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
-    return attention(queries, keys, values, scale, mask)
+    if not args and not kwargs and scale is not None:
+        if takes(queries, keys, mask, sinks):
+            return attention(queries, keys, values, scale, mask)
+        if takes_bucketed(queries, keys, mask, sinks):
+            return bucketed(queries, keys, values, scale, _original)
+    return _original(queries, keys, values, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
 
 def wanted() -> bool:
