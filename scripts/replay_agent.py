@@ -8,7 +8,9 @@ Each request of ../shared/fixtures/claude-code/<name>.jsonl is rendered once, as
 /v1/completions (streaming, max_tokens 1, greedy). Both servers are started here, one at a time, on
 the same model: on a CPU in float32 (a float32 copy is made for mlx_lm.server) with OpenBLAS
 preloaded; on a GPU the checkpoint as it is, on both sides. Each server gets one warm-up request
-first (a GPU compiles its kernels on first use), longer than a prefill chunk, not counted. Printed
+first (a GPU compiles its kernels on first use), longer than a prefill chunk, not counted, over
+the connection that its turns then reuse (an agent's client keeps its connection); turns are
+TURN_GAP_S apart, as an agent's are at least (the constant says why). Printed
 per turn: prompt tokens and each server's time to first token; then the total waiting, and for
 `serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and restart (a fresh
 cache folder at the start). Fixtures that are absent are skipped.
@@ -50,6 +52,11 @@ WARM_UP = "Say hello after counting: " + " ".join(str(i) for i in range(1700))
 # After a restart, a short one: the long one's KV would come back from the disk tier first and
 # move the read rate the tier decides by, before the restored turn that is measured.
 RESTART_WARM_UP = "Say hello."
+# Between turns, not counted: an agent's next request follows its own work (the reply parsed, tools
+# run). A request sent the moment the last one's stream ends can beat a server's own end of that
+# turn: mlx_lm.server (0.32) ends the stream before it stores the turn's cache, and its next turn
+# then computed ~1.4 s more on an H100 (rename-session's turn 3, 2026-12-06).
+TURN_GAP_S = 0.5
 
 
 def fixtures_root() -> Path:
@@ -142,6 +149,10 @@ class Server:
         self.name, self.cmd, self.port, self.log = name, cmd, port, log
         self.env, self.cwd = env or server_env(), cwd
         self.proc: subprocess.Popen | None = None
+        # One client, its connection kept alive between turns, as an agent's is. A client made per
+        # request charged every turn, on both sides, its set-up (~50 ms on a 2-core CPU: httpx
+        # loads the CA bundle), and its connection's.
+        self.client = httpx.Client(timeout=7200)
 
     def start(self, warm_up: str = WARM_UP) -> float:
         """Seconds until /health says 200; then one warm-up request, not counted."""
@@ -180,6 +191,8 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+        self.client.close()  # its connection died with the server: a restart's client connects anew
+        self.client = httpx.Client(timeout=7200)
         return time.perf_counter() - t0
 
     def wait_written(self, timeout: float = 120) -> float:
@@ -206,7 +219,7 @@ class Server:
         body = {"model": "default_model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True}
         t0 = time.perf_counter()
         first, stats = None, {}
-        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=7200) as r:
+        with self.client.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -228,6 +241,8 @@ def replay(server: Server, prompts: list[str], label: str, peer: bool = False) -
     replay there: its remaining turns are None and ours still run."""
     rows: list[dict | None] = []
     for i, p in enumerate(prompts, 1):
+        if i > 1:
+            time.sleep(TURN_GAP_S)
         try:
             row = server.ttft(p)
         except httpx.HTTPError as e:
