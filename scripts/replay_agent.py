@@ -269,6 +269,21 @@ def replay_peer(prompts: list[str], args, work: Path) -> list[dict]:
         peer.stop()
 
 
+def session_window(model: str, n_tokens: list[int], given: int | None) -> int | None:
+    """The context window `serve` starts with: the one given; else, where the session's longest
+    prompt overruns the model's own (its config's max_position_embeddings, which `serve` enforces
+    and mlx_lm.server does not: long-session's 38k tokens against the bundled model's 32,768), the
+    next multiple of 4,096 that holds it; else None (serve's default)."""
+    if given:
+        return given
+    try:
+        own = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    longest = max(n_tokens) + 1  # and the one token each turn asks for
+    return -(-longest // 4096) * 4096 if isinstance(own, int) and longest > own else None
+
+
 def run_fixture(name: str, path: Path, args, work: Path) -> dict:
     prompts = render_prompts(args.model, path)
     from mlx_lm.utils import load_tokenizer
@@ -285,8 +300,9 @@ def run_fixture(name: str, path: Path, args, work: Path) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "agent_bridge", "serve", "--model", args.model, "--port", str(port),
            "--prefix-cache-dir", str(cache_dir), "--log-level", "warning", *args.serve_args]
-    if args.context_window:
-        cmd += ["--context-window", str(args.context_window)]
+    window = session_window(args.model, n_tokens, args.context_window)
+    if window:
+        cmd += ["--context-window", str(window)]
     if args.ranks > 1:
         cmd += ["--split", args.split]
     ours = Server("mlx-dspark serve", as_ranks(cmd, args), port, work / "serve.log")
@@ -348,7 +364,8 @@ def main() -> int:
     ap.add_argument("--fixtures", default="rename-session,long-session",
                     help="comma-separated names under ../shared/fixtures/claude-code, or .jsonl paths")
     ap.add_argument("--model", default=None, help="model directory (default: the bundled reference model)")
-    ap.add_argument("--context-window", type=int, default=None, help="passed to serve (long-session needs 65536)")
+    ap.add_argument("--context-window", type=int, default=None,
+                    help="passed to serve (default: the model's own, or what holds a longer session)")
     ap.add_argument("--no-restarts", action="store_true", help="skip the kill -9 and SIGTERM restarts")
     ap.add_argument("--no-peer", action="store_true",
                     help="skip mlx_lm.server (restart figures only: they are ratios to serve's own cold turn)")

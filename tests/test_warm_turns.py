@@ -160,3 +160,21 @@ def test_scripts_skip_cleanly_without_fixtures(tmp_path):
                              text=True, timeout=120)
         assert run.returncode == 0, run.stderr
         assert "skipped" in run.stdout + run.stderr
+
+
+def test_the_replay_starts_serve_with_a_window_that_holds_the_session():
+    """long-session's 38k tokens overrun the bundled model's 32,768: the replay gives `serve` a
+    window that holds them (mlx_lm.server enforces none) instead of failing turn 5 with a 400."""
+    import importlib.util
+    from pathlib import Path
+
+    from engine.base.bundled import default_model_path
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_agent", Path(__file__).resolve().parents[1] / "scripts" / "replay_agent.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    model = str(default_model_path())
+    assert replay.session_window(model, [15378, 38182], None) == 40960
+    assert replay.session_window(model, [15181, 15539], None) is None  # it fits: serve's own default
+    assert replay.session_window(model, [15378, 38182], 65536) == 65536  # given: as given
