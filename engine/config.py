@@ -40,6 +40,9 @@ class EngineConfig:
     # under a launcher (mlx.launch), how the model is split over its ranks: "pipeline" or
     # "tensor" (engine/model/split.py); None: mlx-lm's pick. Ignored on one process.
     split: str | None = None
+    # many turns ahead (serve, mcp): worth a longer start that makes each warm turn faster (on MLX
+    # CUDA, cuDNN's graphs of short prefill chunks built at load: engine/kernels/gpu_attention.py)
+    long_lived: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_bits not in (None, *KV_BITS):

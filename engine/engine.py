@@ -180,9 +180,9 @@ class Engine:
         """The start on this machine, on the engine thread, in this order: the prefill chunk
         measured (where the config gives none), a given head paired, what would fail every
         request failed here (the default mode, a head size KV quantisation can't take), an
-        "auto" max batch measured, the prefix cache opened, the cost curve checked, and on MLX
-        CUDA the attention graphs of short prefill chunks built. Every rank of a split model
-        takes these steps alike (their measurements are the leader's)."""
+        "auto" max batch measured, the prefix cache opened, the cost curve checked, and for a
+        long-lived engine on MLX CUDA the attention graphs of short prefill chunks built. Every
+        rank of a split model takes these steps alike (their measurements are the leader's)."""
         if self.ranks.split:
             mx.random.seed(self.ranks.share(time.time_ns() % (1 << 32)))  # the same draws on every rank
             if self.vision is not None:
@@ -201,9 +201,9 @@ class Engine:
         if self.max_draft == "auto":
             # the cost curve re-checked (or re-measured) now, not in the first request's time
             curve_for_requests(target, config.kv_bits)
-        # cuDNN's graphs of a warm turn's prefill chunk, by bucket, up to the context window: now
-        # (3.7 s for a 65k window on an H100), not one in each turn (engine/kernels/gpu_attention.py)
-        gpu_attention.build_for(target.model, self.context_window, getattr(mx, target.dtype, None))
+        if config.long_lived:  # cuDNN's graphs of a warm turn's prefill chunk, by bucket, up to the
+            # context window: now (3.7 s for 65k on an H100), not one in each turn (engine/kernels/gpu_attention.py)
+            gpu_attention.build_for(target.model, self.context_window, getattr(mx, target.dtype, None))
 
     def _open_prefix_cache(self, target: Target, config: EngineConfig) -> PrefixCache:
         mb = lambda v: None if v is None else int(v * (1 << 20))  # noqa: E731

@@ -111,6 +111,19 @@ def test_build_for_builds_each_bucket_of_each_attention_shape(target, monkeypatc
     assert gpu_attention.build_for(target.model, 5000, mx.bfloat16) == 3 * len(gpu_attention.BUCKET_QUERIES)
 
 
+@pytest.mark.parametrize("long_lived", [True, False])
+def test_a_long_lived_engine_builds_the_graphs_at_its_start(tiny_model_dir, monkeypatch, long_lived):
+    """serve and mcp (long-lived) build the buckets' graphs at the start, for the engine's own
+    context window; a one-shot engine (generate, benchmark) doesn't spend that time."""
+    from engine import Engine
+
+    calls = []
+    monkeypatch.setattr(gpu_attention, "build_for", lambda *a: calls.append(a) or 0)
+    with Engine(str(tiny_model_dir), context_window=1000, prefix_cache=False, long_lived=long_lived) as engine:
+        engine.encode("warm")
+        assert [(window, dtype) for _, window, dtype in calls] == ([(1000, mx.float32)] if long_lived else [])
+
+
 def test_not_installed_off_cuda():
     if gpu_attention.wanted():
         pytest.skip("this machine runs MLX CUDA")

@@ -109,7 +109,8 @@ def prefix_cache_dir(args: argparse.Namespace, persistent: bool) -> str | None:
 
 
 def engine_from_args(args: argparse.Namespace, persistent: bool = False):
-    """The engine the flags describe; `persistent` (serve, mcp) keeps a disk tier by default."""
+    """The engine the flags describe; `persistent` (serve, mcp) keeps a disk tier by default and
+    is long-lived (its start does what makes later turns faster)."""
     import sys
 
     from engine import DEFAULT_MAX_DRAFT, Engine, slow_blas_warning
@@ -145,4 +146,5 @@ def engine_from_args(args: argparse.Namespace, persistent: bool = False):
         loop_guard=loop_guard,
         max_batch=getattr(args, "max_batch", 1),
         split=getattr(args, "split", None),
+        long_lived=persistent,
     )
