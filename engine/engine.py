@@ -491,17 +491,29 @@ class Engine:
                 logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
 
     def _join_batch(self, forwarding: list[Sequence]) -> None:
-        """The batch rows for this turn's verify forwards: once two or more could share one, each
-        joinable sequence not yet in the batch moves its KV in (once: it stays to its end). A
-        sequence alone keeps its own cache: an agent's single turn pays no copy in and out (~0.2 s
-        of a 15k-token warm turn on a 2-core CPU, ~0.1 s of a 22-38k-token one on an H100)."""
+        """The batch rows for this turn's verify forwards: once two or more with the same taps
+        could share one, each joinable sequence among them not yet in the batch moves its KV in
+        (once: it stays to its end). A sequence alone keeps its own cache: an agent's single turn
+        pays no copy in and out (~0.2 s of a 15k-token warm turn on a 2-core CPU, ~0.1 s of a
+        22-38k-token one on an H100). A join that fails (out of memory, say) leaves every
+        sequence decoding alone from then on, as a failed batched forward does."""
         if self.max_batch <= 1 or self._batch.failed:
             return
-        sharing = [s for s in forwarding if self._batch.owns(s.cache) or joinable(self.target, s.cache)]
-        if len(sharing) >= 2:
-            for seq in sharing:
-                if not self._batch.owns(seq.cache):
-                    self._batch.join(seq.cache, owner=seq.job)
+        groups: dict[tuple, list[Sequence]] = {}  # only forwards with the same taps batch (run_forwards)
+        for seq in forwarding:
+            if self._batch.owns(seq.cache) or joinable(self.target, seq.cache):
+                groups.setdefault(tuple(seq.call.taps), []).append(seq)
+        for seq in (s for group in groups.values() if len(group) >= 2 for s in group):
+            if self._batch.owns(seq.cache):
+                continue
+            try:
+                self._batch.join(seq.cache, owner=seq.job)
+            except Exception as e:
+                if self.ranks.split:  # the other ranks may not have failed: none can go on alone
+                    raise
+                self._batch.failed = f"join: {type(e).__name__}: {e}"
+                logging.getLogger(__name__).warning("joining the batch failed, sequences decode alone: %s", e)
+                return
 
     def _listen(self) -> _News:
         """The leader's ears: what came in since the last turn (waiting for it when there's

@@ -8,9 +8,10 @@ Each request of ../shared/fixtures/claude-code/<name>.jsonl is rendered once, as
 /v1/completions (streaming, max_tokens 1, greedy). Both servers are started here, one at a time, on
 the same model: on a CPU in float32 (a float32 copy is made for mlx_lm.server) with OpenBLAS
 preloaded; on a GPU the checkpoint as it is, on both sides. Each server gets one warm-up request
-first (a GPU compiles its kernels on first use), longer than a prefill chunk, not counted, over
-the connection that its turns then reuse (an agent's client keeps its connection); turns are
-TURN_GAP_S apart, as an agent's are at least (the constant says why). Printed
+first (a GPU compiles its kernels on first use), longer than a prefill chunk, not counted, by
+the client its turns then use (one per server, its connection kept where the server keeps it:
+`serve` does, mlx_lm.server's HTTP/1.0 closes it); turns are TURN_GAP_S apart, as an agent's
+are at least (the constant says why). Printed
 per turn: prompt tokens and each server's time to first token; then the total waiting, and for
 `serve` the last turn again after a `kill -9` and restart, and after a SIGTERM and restart (a fresh
 cache folder at the start). Fixtures that are absent are skipped.
@@ -149,9 +150,9 @@ class Server:
         self.name, self.cmd, self.port, self.log = name, cmd, port, log
         self.env, self.cwd = env or server_env(), cwd
         self.proc: subprocess.Popen | None = None
-        # One client, its connection kept alive between turns, as an agent's is. A client made per
-        # request charged every turn, on both sides, its set-up (~50 ms on a 2-core CPU: httpx
-        # loads the CA bundle), and its connection's.
+        # One client, its connection kept alive between turns where the server keeps it, as an
+        # agent's is. A client made per request charged every turn, on both sides, its set-up
+        # (~50 ms on a 2-core CPU: httpx loads the CA bundle).
         self.client = httpx.Client(timeout=7200)
 
     def start(self, warm_up: str = WARM_UP) -> float:

@@ -205,6 +205,24 @@ def test_a_batched_forward_that_fails_leaves_its_rows_running_alone(tiny_engine,
         assert engine.load()["batched_rounds"] == 0 and "per-row offsets" in engine._batch.failed
 
 
+def test_a_join_that_fails_leaves_the_sequences_decoding_alone(tiny_engine, tiny_model_dir, monkeypatch):
+    """Joining the batch fails (out of memory, say): the engine goes on, every sequence decodes
+    alone with the output it would have had, and the batch is marked failed."""
+    def no_room(self, cache, owner=None):
+        raise MemoryError("no room for the batch's buffers")
+
+    monkeypatch.setattr(BatchCache, "join", no_room)
+    ids = [tiny_engine.encode(p) for p in ("a b c a b c a b c a b", "The quick brown fox " * 8)]
+    expected = [tiny_engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")).result().token_ids for i in ids]
+    with Engine(str(tiny_model_dir), max_batch=2, prefix_cache=False) as engine:
+        jobs = [engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")) for i in ids]
+        for i, want, j in zip(ids, expected, jobs):
+            assert_same_greedy_away_from_ties(tiny_engine, i, want, j.result().token_ids)
+        assert "no room" in engine._batch.failed and engine.load()["batched_rounds"] == 0
+        again = engine.submit(GenerationRequest(ids[0], max_tokens=5, mode="lookup")).result()  # alive
+        assert again.finish_reason in ("length", "stop")
+
+
 def test_a_batched_forward_pads_to_a_width_measured_no_dearer(target):
     """Where 4 rows of 3 tokens measured slower than 4 rows of 4 (the measured cell is capped to
     the wider one's time), the batched forward runs 4 tokens wide: each row's logits and KV are

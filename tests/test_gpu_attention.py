@@ -98,6 +98,9 @@ def test_takes_short_causal_prefill_chunks_in_buckets():
     assert not takes(gpu_attention.BUCKET_QUERIES[-1] + 1)  # a long chunk: its own shape (they repeat)
     assert not takes(200, mx.float32) and not takes(200, mask=None)
     assert not takes(200, mask=mx.ones((200, 9000), dtype=mx.bool_))
+    for dim, cudnn in ((128, True), (80, True), (256, False), (100, False)):  # cuDNN's head sizes only
+        q = mx.zeros((1, 8, 200, dim), dtype=mx.bfloat16)
+        assert gpu_attention.takes_bucketed(q, mx.zeros((1, 2, 9000, dim), dtype=mx.bfloat16), "causal", None) is cudnn
 
 
 def test_build_for_builds_each_bucket_of_each_attention_shape(target, monkeypatch):
@@ -109,6 +112,9 @@ def test_build_for_builds_each_bucket_of_each_attention_shape(target, monkeypatc
     monkeypatch.setattr(gpu_attention, "BUCKET_KEYS", 2048)
     assert gpu_attention.build_for(target.model, 5000, mx.float32) == 0  # cuDNN never takes float32
     assert gpu_attention.build_for(target.model, 5000, mx.bfloat16) == 3 * len(gpu_attention.BUCKET_QUERIES)
+    monkeypatch.setattr(gpu_attention, "BUILD_KEYS", 4096)  # no deeper than this
+    assert gpu_attention.build_for(target.model, 50000, mx.bfloat16) == 2 * len(gpu_attention.BUCKET_QUERIES)
+    assert gpu_attention._causal_bias.cache_info().currsize == 0  # the deepest mask not kept
 
 
 @pytest.mark.parametrize("long_lived", [True, False])

@@ -50,6 +50,9 @@ def _key_block() -> int:
 KEY_BLOCK = _key_block()
 BUCKET_QUERIES = (128, 256, 512)  # a short prefill chunk's queries are padded to the first that holds them
 BUCKET_KEYS = 4096  # ...and its keys to a multiple of this
+# `build_for` builds no deeper than this: 3 graphs per 4,096 keys, of the 256 that MLX keeps per
+# thread (MLX_CUDA_SDPA_CACHE_SIZE); a turn past it builds its own graph, as before
+BUILD_KEYS = 131072
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
@@ -108,31 +111,43 @@ def _causal_bias(L: int, S: int, rows: int, cols: int, dtype) -> mx.array:
 
 def takes_bucketed(queries, keys, mask, sinks) -> bool:
     """A causal prefill chunk wider than a verify forward and at most the widest bucket, half
-    precision, no sinks: cuDNN's, at a bucket's shape."""
+    precision, heads cuDNN takes, no sinks: cuDNN's, at a bucket's shape (a shape MLX would run
+    unfused gains nothing from its padding)."""
     if sinks is not None or not isinstance(mask, str) or mask != "causal" or queries.ndim != 4 or keys.ndim != 4:
         return False
-    return queries.dtype in (mx.bfloat16, mx.float16) and MAX_WIDTH < queries.shape[2] <= BUCKET_QUERIES[-1]
+    return (queries.dtype in (mx.bfloat16, mx.float16) and MAX_WIDTH < queries.shape[2] <= BUCKET_QUERIES[-1]
+            and cudnn_head(queries.shape[-1]))
+
+
+def cudnn_head(dim: int) -> bool:
+    """A head size cuDNN's attention takes (MLX's `supports_sdpa_cudnn`): a multiple of 8, at most 128."""
+    return dim % 8 == 0 and dim <= 128
 
 
 def build_for(model, context_window: int, dtype) -> int:
-    """Build cuDNN's graph of every bucket up to `context_window` keys for `model`'s attention
-    layers (those with n_heads, n_kv_heads and a k_proj), now, on the calling thread: MLX keeps
-    cuDNN's graphs per thread, and the engine's forwards run on the thread that loads the model.
-    Returns how many were built (0 where the routing isn't installed)."""
+    """Build cuDNN's graph of every bucket up to `context_window` keys (at most BUILD_KEYS) for
+    `model`'s attention layers (those with n_heads, n_kv_heads and a k_proj, of a head size cuDNN
+    takes), now, on the calling thread: MLX keeps cuDNN's graphs per thread, and the engine's
+    forwards run on the thread that loads the model. Returns how many were built (0 where the
+    routing isn't installed)."""
     if _original is None or dtype not in (mx.bfloat16, mx.float16):
         return 0
     shapes = set()
     for _, layer in model.named_modules():
         heads, kv_heads, k_proj = (getattr(layer, a, None) for a in ("n_heads", "n_kv_heads", "k_proj"))
         if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads and k_proj is not None:
-            shapes.add((heads, kv_heads, k_proj.weight.shape[0] // kv_heads))
+            dim = k_proj.weight.shape[0] // kv_heads
+            if cudnn_head(dim):
+                shapes.add((heads, kv_heads, dim))
+    deepest = -(-min(context_window, BUILD_KEYS) // BUCKET_KEYS) * BUCKET_KEYS
     built = 0
     for heads, kv_heads, dim in shapes:
-        for cols in range(BUCKET_KEYS, -(-context_window // BUCKET_KEYS) * BUCKET_KEYS + 1, BUCKET_KEYS):
+        for cols in range(BUCKET_KEYS, deepest + 1, BUCKET_KEYS):
             kv = mx.zeros((1, kv_heads, cols, dim), dtype)
             for rows in BUCKET_QUERIES:
                 mx.eval(bucketed(mx.zeros((1, heads, rows, dim), dtype), kv, kv, dim ** -0.5, _original))
                 built += 1
+    _causal_bias.cache_clear()  # the deepest bucket's mask, which no turn may need
     return built
 
 
