@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from engine import Engine, GenerationRequest
 from engine.caches.batch_cache import GROW_TOKENS, BatchCache, RowCache
@@ -190,36 +191,30 @@ def test_cancelled_or_failed_sequences_give_their_rows_back(tiny_model_dir, targ
     assert store.used == 1 and rows[1][0].slot == 0 and rows[0][0].store is None
 
 
-def test_a_batched_forward_that_fails_leaves_its_rows_running_alone(tiny_engine, tiny_model_dir, monkeypatch):
-    """A model the batched forward doesn't fit (it raises): the rows run alone, outputs unchanged."""
-    def unfit(self, target, forwards, width=None):
-        raise TypeError("this model's attention takes no per-row offsets")
+def _unfit(self, target, forwards, width=None):
+    raise TypeError("this model's attention takes no per-row offsets")
 
-    monkeypatch.setattr(BatchCache, "forward", unfit)
+
+def _no_room(self, cache, owner=None):
+    raise MemoryError("no room for the batch's buffers")
+
+
+@pytest.mark.parametrize("method,fails,why", [("forward", _unfit, "per-row offsets"), ("join", _no_room, "no room")],
+                         ids=["forward", "join"])
+def test_a_batch_that_fails_leaves_the_sequences_running_alone(tiny_engine, tiny_model_dir, monkeypatch,
+                                                                method, fails, why):
+    """A model the batched forward doesn't fit, or a join without room (out of memory, say): the
+    engine goes on, every sequence runs alone with the output it would have had, the batch is
+    marked failed, and the next request is served."""
+    monkeypatch.setattr(BatchCache, method, fails)
     ids = [tiny_engine.encode(p) for p in ("a b c a b c a b c a b", "The quick brown fox " * 8)]
     expected = [tiny_engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")).result().token_ids for i in ids]
     with Engine(str(tiny_model_dir), max_batch=2, prefix_cache=False) as engine:
         jobs = [engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")) for i in ids]
         for i, want, j in zip(ids, expected, jobs):
             assert_same_greedy_away_from_ties(tiny_engine, i, want, j.result().token_ids)
-        assert engine.load()["batched_rounds"] == 0 and "per-row offsets" in engine._batch.failed
-
-
-def test_a_join_that_fails_leaves_the_sequences_decoding_alone(tiny_engine, tiny_model_dir, monkeypatch):
-    """Joining the batch fails (out of memory, say): the engine goes on, every sequence decodes
-    alone with the output it would have had, and the batch is marked failed."""
-    def no_room(self, cache, owner=None):
-        raise MemoryError("no room for the batch's buffers")
-
-    monkeypatch.setattr(BatchCache, "join", no_room)
-    ids = [tiny_engine.encode(p) for p in ("a b c a b c a b c a b", "The quick brown fox " * 8)]
-    expected = [tiny_engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")).result().token_ids for i in ids]
-    with Engine(str(tiny_model_dir), max_batch=2, prefix_cache=False) as engine:
-        jobs = [engine.submit(GenerationRequest(i, max_tokens=20, mode="lookup")) for i in ids]
-        for i, want, j in zip(ids, expected, jobs):
-            assert_same_greedy_away_from_ties(tiny_engine, i, want, j.result().token_ids)
-        assert "no room" in engine._batch.failed and engine.load()["batched_rounds"] == 0
-        again = engine.submit(GenerationRequest(ids[0], max_tokens=5, mode="lookup")).result()  # alive
+        assert engine.load()["batched_rounds"] == 0 and why in engine._batch.failed
+        again = engine.submit(GenerationRequest(ids[0], max_tokens=5, mode="lookup")).result()
         assert again.finish_reason in ("length", "stop")
 
 
