@@ -11,9 +11,9 @@ max_batch > 1 a decoding job's attention KV moves into a row of one persistent B
 (engine/caches/batch_cache.py) once another job's forward could share its own, and stays there
 to its end, so the decoding jobs' verify forwards run as one batched forward without copying
 any KV per round; a job that decodes alone (an agent's turn, as a rule) never pays the copy in
-and out. Their head
-drafts (DSpark, DFlash) run batched too: each round a job first hands the scheduler its
-`HeadCall`, and one head forward and one walk draft every row (engine/drafting/heads/drafter.py).
+and out. Their head drafts (DSpark, DFlash) run batched too: each round a job first hands the
+scheduler its `HeadCall`, and one head forward and one walk draft every row
+(engine/drafting/heads/drafter.py).
 
 On the engine thread a job is a `Sequence` (engine/sequence.py) that its phases fill in, in
 order: `_begin` (the request's settings for this model), `_take_cache` (the prefix cache),
@@ -497,7 +497,7 @@ class Engine:
         pays no copy in and out (~0.2 s of a 15k-token warm turn on a 2-core CPU, ~0.1 s of a
         22-38k-token one on an H100). A join that fails (out of memory, say) leaves every
         sequence decoding alone from then on, as a failed batched forward does."""
-        if self.max_batch <= 1 or self._batch.failed:
+        if self.max_batch <= 1 or self._batch.failed or len(forwarding) < 2:  # alone: nothing to share
             return
         groups: dict[tuple, list[Sequence]] = {}  # only forwards with the same taps batch (run_forwards)
         for seq in forwarding:

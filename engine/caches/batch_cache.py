@@ -55,9 +55,10 @@ GROW_TOKENS = 256  # capacity grows by at least this, and by a quarter of itself
 def joinable(target, cache: list) -> bool:
     """Only plain attention caches join (quantised, sliding-window and recurrent ones run alone),
     only once they hold something (the buffers take their shapes from it: a one-token prompt
-    runs alone until its first round has filled it), and only for model families whose attention is known to take per-row RoPE
-    offsets and masks from its cache (those engine/model/target.py walks; others run alone). A cache
-    whose positions are shifted (after an M-RoPE image, engine/model/vision.py) runs alone too."""
+    runs alone until its first round has filled it), and only for model families whose attention
+    is known to take per-row RoPE offsets and masks from its cache (those engine/model/target.py
+    walks; others run alone). A cache whose positions are shifted (after an M-RoPE image,
+    engine/model/vision.py) runs alone too."""
     return (target.tappable and bool(cache)
             and all(kind_of(c).plain_kv and c.keys is not None and not getattr(c, "position_shift", 0)
                     for c in cache))

@@ -20,10 +20,10 @@ and cuDNN's build of it (51-64 ms on an H100, against 0.3-0.5 ms for the attenti
 fifth to a third of such a turn. So a chunk of up to BUCKET_QUERIES[-1] queries runs in a bucket:
 its queries padded to the next of BUCKET_QUERIES, its keys and values with masked zeros to a
 multiple of BUCKET_KEYS, the causal mask an additive array, only the real rows kept; `build_for`
-builds every bucket's graph up to the context window when a long-lived engine (serve, mcp) starts
-(48 graphs in 3.7 s for a 65,536-token window on an H100). A bucket's attention costs about twice the chunk's own
-(0.7-1.2 ms a layer at 111-300 queries over 15-22k keys), ~15 ms a forward of 36 layers: less
-than the build it saves on every turn (docs/benchmarks.md).
+builds every bucket's graph up to the context window when a long-lived engine (serve, mcp)
+starts (48 graphs in 3.7 s for a 65,536-token window on an H100). A bucket's attention costs
+about twice the chunk's own (0.7-1.2 ms a layer at 111-300 queries over 15-22k keys), ~15 ms a
+forward of 36 layers: less than the build it saves on every turn (docs/benchmarks.md).
 """
 
 from __future__ import annotations
