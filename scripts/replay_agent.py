@@ -54,9 +54,10 @@ WARM_UP = "Say hello after counting: " + " ".join(str(i) for i in range(1700))
 # move the read rate the tier decides by, before the restored turn that is measured.
 RESTART_WARM_UP = "Say hello."
 # Between turns, not counted: an agent's next request follows its own work (the reply parsed, tools
-# run). A request sent the moment the last one's stream ends can beat a server's own end of that
-# turn: mlx_lm.server (0.32) ends the stream before it stores the turn's cache, and its next turn
-# then computed ~1.4 s more on an H100 (rename-session's turn 3, 2026-12-06).
+# run), and a request sent the moment a stream ends could beat a server's own end of that turn
+# (mlx_lm.server 0.32 ends the stream before it stores the turn's cache). On an H100 its
+# rename-session turn 3 recomputes with the gap as without it (1.1-1.9 s against 0.2-0.4 s for
+# turns 2 and 4; docs/benchmarks.md): that is not the race, and its cause is not known.
 TURN_GAP_S = 0.5
 
 

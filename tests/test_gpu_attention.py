@@ -130,6 +130,39 @@ def test_a_long_lived_engine_builds_the_graphs_at_its_start(tiny_model_dir, monk
         assert [(window, dtype) for _, window, dtype in calls] == ([(1000, mx.float32)] if long_lived else [])
 
 
+def test_a_long_lived_engine_on_a_gpu_runs_a_warm_turns_forwards_at_its_start(tiny_model_dir, monkeypatch):
+    """On a GPU, which readies each kernel the first time a process runs it, serve's and mcp's
+    engine runs one forward of each width a warm turn runs, last at its start, on a scratch
+    cache: the prefix cache holds none of it and the first request decodes as it would without."""
+    import engine.engine as engine_module
+    from engine import Engine, GenerationRequest
+    from engine.base.events import Done
+    from engine.decoding.verify import WARM_WIDTHS
+    from engine.model.target import Target
+
+    widths, forward = [], Target.forward
+    monkeypatch.setattr(Target, "forward", lambda self, tokens, *a: widths.append(len(tokens)) or forward(self, tokens, *a))
+    prompt = list(range(5, 70))
+
+    def first_reply(engine):
+        return next(ev for ev in engine.generate(GenerationRequest(prompt, max_tokens=12)) if isinstance(ev, Done)).token_ids
+
+    start, replies = {}, {}
+    for gpu in (False, True):
+        monkeypatch.setattr(engine_module, "on_gpu", lambda: gpu)
+        widths.clear()
+        # a fixed draft cap, batch and chunk: no measurement at the start runs forwards of its own
+        with Engine(str(tiny_model_dir), max_draft=4, max_batch=1, prefill_chunk=64, long_lived=True) as engine:
+            engine.encode("warm")
+            start[gpu] = list(widths)
+            assert engine.cached_prefix_tokens([0] * 1000) == 0
+            replies[gpu] = first_reply(engine)
+    warm = list(WARM_WIDTHS)  # (the load's own probes before them run once a process)
+    assert start[True][-len(warm):] == warm and start[False][-len(warm):] != warm
+    with Engine(str(tiny_model_dir), max_draft=4, max_batch=1, prefill_chunk=64, prefix_cache=False) as plain:
+        assert replies[True] == replies[False] == first_reply(plain)
+
+
 def test_not_installed_off_cuda():
     if gpu_attention.wanted():
         pytest.skip("this machine runs MLX CUDA")
