@@ -54,7 +54,7 @@ from engine.base.errors import CancelledError, EngineDownError, EngineError, Inv
 from engine.base.events import Done, PrefillProgress, Stats, Tokens
 from engine.base.loop_guard import LoopGuard
 from engine.base.piece_encoder import PieceEncoder
-from engine.base.platform import on_gpu
+from engine.base.platform import on_cuda
 from engine.base.ranks import OutOfStepError, Ranks, in_step, link_lost, world
 from engine.base.sampling import SamplingParams
 from engine.base.stops import TextAssembler
@@ -182,9 +182,9 @@ class Engine:
         measured (where the config gives none), a given head paired, what would fail every
         request failed here (the default mode, a head size KV quantisation can't take), an
         "auto" max batch measured, the prefix cache opened, the cost curve checked, and for a
-        long-lived engine on MLX CUDA the attention graphs of short prefill chunks built, and on
-        a GPU a warm turn's forwards run once. Every rank of a split model takes these steps
-        alike (their measurements are the leader's)."""
+        long-lived engine on MLX CUDA the attention graphs of short prefill chunks built and a
+        warm turn's forwards run once. Every rank of a split model takes these steps alike
+        (their measurements are the leader's)."""
         if self.ranks.split:
             mx.random.seed(self.ranks.share(time.time_ns() % (1 << 32)))  # the same draws on every rank
             if self.vision is not None:
@@ -206,7 +206,7 @@ class Engine:
         if config.long_lived:  # cuDNN's graphs of a warm turn's prefill chunk, by bucket, up to the
             # context window: now (3.7 s for 65k on an H100), not one in each turn (engine/kernels/gpu_attention.py)
             gpu_attention.build_for(target.model, self.context_window, getattr(mx, target.dtype, None))
-            if on_gpu():  # and each kernel of a warm turn's forwards readied (engine/decoding/verify.py)
+            if self.ranks.share(on_cuda()):  # and a warm turn's kernels readied (engine/decoding/verify.py)
                 warm_up(target, self._new_cache())
 
     def _open_prefix_cache(self, target: Target, config: EngineConfig) -> PrefixCache:

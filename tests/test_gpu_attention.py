@@ -130,10 +130,10 @@ def test_a_long_lived_engine_builds_the_graphs_at_its_start(tiny_model_dir, monk
         assert [(window, dtype) for _, window, dtype in calls] == ([(1000, mx.float32)] if long_lived else [])
 
 
-def test_a_long_lived_engine_on_a_gpu_runs_a_warm_turns_forwards_at_its_start(tiny_model_dir, monkeypatch):
-    """On a GPU, which readies each kernel the first time a process runs it, serve's and mcp's
-    engine runs one forward of each width a warm turn runs, last at its start, on a scratch
-    cache: the prefix cache holds none of it and the first request decodes as it would without."""
+def test_a_long_lived_engine_on_cuda_runs_a_warm_turns_forwards_at_its_start(tiny_model_dir, monkeypatch):
+    """On MLX CUDA, which readies each kernel the first time a process runs it, serve's and
+    mcp's engine runs one forward of each width a warm turn runs, last at its start, on a
+    scratch cache: the prefix cache holds none of it and the first request decodes as without."""
     import engine.engine as engine_module
     from engine import Engine, GenerationRequest
     from engine.base.events import Done
@@ -148,19 +148,31 @@ def test_a_long_lived_engine_on_a_gpu_runs_a_warm_turns_forwards_at_its_start(ti
         return next(ev for ev in engine.generate(GenerationRequest(prompt, max_tokens=12)) if isinstance(ev, Done)).token_ids
 
     start, replies = {}, {}
-    for gpu in (False, True):
-        monkeypatch.setattr(engine_module, "on_gpu", lambda: gpu)
+    for cuda in (False, True):
+        monkeypatch.setattr(engine_module, "on_cuda", lambda: cuda)
         widths.clear()
         # a fixed draft cap, batch and chunk: no measurement at the start runs forwards of its own
         with Engine(str(tiny_model_dir), max_draft=4, max_batch=1, prefill_chunk=64, long_lived=True) as engine:
-            engine.encode("warm")
-            start[gpu] = list(widths)
+            start[cuda] = list(widths)
             assert engine.cached_prefix_tokens([0] * 1000) == 0
-            replies[gpu] = first_reply(engine)
-    warm = list(WARM_WIDTHS)  # (the load's own probes before them run once a process)
+            replies[cuda] = first_reply(engine)
+    warm = list(WARM_WIDTHS)  # (attention_crossover's probe at load runs before them, once a process)
     assert start[True][-len(warm):] == warm and start[False][-len(warm):] != warm
     with Engine(str(tiny_model_dir), max_draft=4, max_batch=1, prefill_chunk=64, prefix_cache=False) as plain:
         assert replies[True] == replies[False] == first_reply(plain)
+
+
+def test_the_warm_widths_take_each_kernel_a_warm_turn_takes():
+    """A decode step, 2 rows (MLX's quantized kernel), narrow_qmm's rows, a chunk in each bucket
+    and past wide_dequantize's threshold, at the default thresholds: moving one moves these."""
+    from engine.decoding.verify import WARM_WIDTHS
+    from engine.kernels import narrow_qmm, wide_dequantize
+
+    assert {1, 2} <= set(WARM_WIDTHS)
+    assert any(narrow_qmm.FASTER_FROM <= w <= narrow_qmm.MAX_ROWS for w in WARM_WIDTHS)
+    for low, high in zip((gpu_attention.MAX_WIDTH, *gpu_attention.BUCKET_QUERIES), gpu_attention.BUCKET_QUERIES):
+        assert any(low < w <= high for w in WARM_WIDTHS), (low, high)
+    assert max(WARM_WIDTHS) >= wide_dequantize.MIN_ROWS
 
 
 def test_not_installed_off_cuda():

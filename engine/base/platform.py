@@ -279,14 +279,6 @@ def on_cuda() -> bool:
     return cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu
 
 
-def on_gpu() -> bool:
-    """Is MLX computing on a GPU (Metal or CUDA), which readies each kernel the first time a
-    process runs it?"""
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.gpu
-
-
 def device_name() -> str:
     """The compute device in words; on CPU the BLAS too (it changes matmul speed 30x)."""
     import mlx.core as mx

@@ -79,17 +79,18 @@ def prefill(
             on_progress(min(start + chunk_size, total), total)
 
 
-# The forwards of an agent's warm turn: a decode step, verify passes (MLX's quantized kernel for a
-# few rows, narrow_qmm's), a short prefill chunk in each of gpu_attention's buckets (the widest
-# past wide_dequantize's threshold)
+# The widths of an agent's warm turn, by the kernels they take at the default thresholds: a
+# decode step, verify passes (MLX's quantized kernel for 2 rows, narrow_qmm's), a short prefill
+# chunk in each of gpu_attention's buckets, the widest past wide_dequantize's threshold
 WARM_WIDTHS = (1, 2, 16, 100, 200, 400)
 
 
 def warm_up(target: Target, cache: list) -> None:
-    """One forward of each of WARM_WIDTHS into `cache`, a scratch one. A GPU readies a kernel the
-    first time a process runs it: on an H100 a warm turn's first short prefill chunk took 0.1-0.4 s
-    longer than the next turn's (25 s in a machine's first process, the driver compiling it), a
-    cost a long-lived engine takes here, at its start, instead of in a user's turn."""
+    """One forward of each of WARM_WIDTHS into `cache`, a scratch one: the target's own forwards
+    (not a batched one, a head's or a recurrent capture). MLX CUDA readies a kernel the first time
+    a process runs it: on an H100 a warm turn's first short prefill chunk took 0.1-0.4 s longer
+    than the next turn's (25 s in a machine's first process, the driver compiling it), a cost a
+    long-lived engine takes here, at its start, instead of in a user's turn."""
     for width in WARM_WIDTHS:
         prefill(target, cache, [0] * width, chunk_size=width)
 
