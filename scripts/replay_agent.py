@@ -276,12 +276,11 @@ def session_window(model: str, n_tokens: list[int], given: int | None) -> int | 
     prompt overruns the model's own (its config's max_position_embeddings, which `serve` enforces
     and mlx_lm.server does not: long-session's 38k tokens against the bundled model's 32,768), the
     next multiple of 4,096 that holds it; else None (serve's default)."""
+    from engine.model.config import read_config  # here: engine/__init__ loads MLX
+
     if given:
         return given
-    try:
-        own = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
+    own = (read_config(Path(model)) or {}).get("max_position_embeddings")
     longest = max(n_tokens) + 1  # and the one token each turn asks for
     return -(-longest // 4096) * 4096 if isinstance(own, int) and longest > own else None
 
