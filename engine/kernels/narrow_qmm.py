@@ -8,30 +8,41 @@ paid two to three single steps for what reads the same weights once. Decode on a
 reading weights, so a few rows should cost about what one does.
 
 This kernel computes `x @ dequantize(W).T` with the roles swapped: W's output features are the rows
-of PTX's m16n8k16 product (16 a block), x's rows its 8 columns (x padded to 1, 2, 4 or 8 tiles of
-8). A block's 8 warps split K; each step a lane loads 16 bytes of two feature rows (16 weights
-at 8 bits, 32 at 4), dequantizes them in registers (fp32, rounded to x's dtype) straight into its A
-fragment, reads the matching 8-byte pieces of x as its B fragments, and issues one `mma.sync` per 16
-k per tile of 8 rows, with the next step's 16-byte words already loading. No shared memory but the
-block's final sum over its warps. Affine 4- and 8-bit weights, groups of 32, 64 or 128, K a
-multiple of 64 (8-bit) or 128 (4-bit), N of 16, bf16 or fp16 activations in the scales' dtype;
-anything else keeps MLX's kernels. The sums are fp32 as in MLX's kernels, in another order: the same
-values to rounding, as any two GEMM kernels (lossless speculation compares the target with itself
-through the engine's own forwards, whichever kernel they take).
+of PTX's m16n8k16 product, x's rows its 8 columns (x padded to 1, 2, 4 or 8 tiles of 8). A block
+of 8 warps computes 32 features (FEATURE_GROUPS groups of 16), its warps splitting K; each step a
+lane loads 16 bytes of each of its four feature rows (16 weights at 8 bits, 32 at 4), dequantizes
+them in registers (fp32, rounded to x's dtype) straight into its A fragments, reads the matching
+8-byte pieces of x once as its B fragments for both groups, and issues one `mma.sync` per 16 k per
+group per tile of 8 rows, with the next step's words, scales and biases already loading. No shared
+memory but the block's final sum over its warps, added in warp order. Affine 4- and 8-bit weights,
+groups of 32, 64 or 128, K a multiple of 64 (8-bit) or 128 (4-bit), N of 32, bf16 or fp16
+activations in the scales' dtype; anything else keeps MLX's kernels. The sums are fp32 as in MLX's
+kernels, in another order: the same values to rounding, as any two GEMM kernels (lossless
+speculation compares the target with itself through the engine's own forwards, whichever kernel
+they take).
 
-Measured 2026-12-05 on an H200 (mlx-cuda-13 0.32.4; tests/test_narrow_qmm.py passes there), the
-engine's forward of the 8-bit 8B yardstick at depth 2048 (scripts/profile_verify_gpu.py), ms:
+Why two groups a warp: with one, every block reads all of x for its 16 features, so x's reads (from
+L2) were as many bytes as the weights' at 8 rows and eight times as many at 64. Two groups halve
+them. Measured 2026-12-06 on an H100 (mlx-cuda-13 0.32.4), the engine's forward of the 8-bit 8B
+yardstick at depth 2048 (`measure_cost_curve`, median of 3 sweeps, a narrower width capped at a
+wider one's time), one process, one group a warp and two alternating, ms (two runs of each):
 
-| rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
-|---|---|---|---|---|---|---|---|
-| MLX's kernels | 11.8 | 14.1 | 21.8 | 21.8 | 22.6 | 26.4 | 30.5 |
-| narrow_qmm | - | 15.9 | 15.9 | 15.9 | 18.1 | 18.1 | 26.7 |
+| rows | 1 | 2 | 4-16 | 24-32 | 48-64 |
+|---|---|---|---|---|---|
+| MLX's kernels | 9.2 | 12.7 | 21.3 | 26.2 | 28.9-30.4 |
+| one group a warp | 10.8 / 9.2 | 17.6 / 16.6 | 17.6 / 17.1 | 21.0 / 19.8 | 29.8 / 28.2 |
+| two groups a warp | 10.3 / 9.0 | 19.7 / 15.4 | 19.7 / 15.6 | 19.7 / 18.8 | **23.6 / 22.6** |
 
+(Another H100 the same day, the same probe: one group 24.6 / 27.9 / 33.2 ms at 4-16 / 24-32 /
+48-64 rows, two groups 17.5 / 20.5 / 23.8.) Outputs are bit for bit the one-group kernel's (same
+products, same order). Four groups a warp read no faster than one (more registers a thread,
+fewer blocks; not profiled), and int-to-float by exponent bits instead of a conversion
+instruction changed nothing.
 So engine forwards of FASTER_FROM to MAX_ROWS rows take it by default on MLX CUDA
-(engine/kernels/quantized_route.py routes; `MLX_DSPARK_NARROW_QMM_ROWS` sets the range). Each
-(dtype, bits, group, tiles) instance took 1.3-2.4 s to build on first use in a process (a second
-process paid 1.3-1.5 s again), hence four tile counts, not eight (2 and 4 tiles cost the same,
-above), built at load by `build_for()`, not in a user's first requests.
+(engine/kernels/quantized_route.py routes; `MLX_DSPARK_NARROW_QMM_ROWS` sets the range); at 2 rows
+MLX's kernel is faster. Each (dtype, bits, group, tiles) instance took 1.3-2.4 s to build on first
+use in a process (a second process paid 1.3-1.5 s again), hence four tile counts, not eight, built
+at load by `build_for()`, not in a user's first requests.
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ MAX_ROWS = 64  # rows (tokens over the batch) one forward may bring: 8 tiles of 
 FASTER_FROM = 4  # rows from which it beats MLX's kernels (measured above; at 2 MLX's are faster)
 TILE_COUNTS = (1, 2, 4, 8)  # the instances compiled: x's rows padded to one of these tiles of 8
 WARPS = 8  # warps a block, splitting K: enough blocks in flight for a 4096-wide layer on 132 SMs
-TILE_N = 16  # output features a block
+FEATURE_GROUPS = 2  # groups of 16 output features a warp computes, reading x once for them all
+TILE_N = 16 * FEATURE_GROUPS  # output features a block
 TILE_ROWS = 8  # rows of x a tensor-core tile (x is padded to a multiple)
 DTYPES = (mx.bfloat16, mx.float16)
 
@@ -78,80 +90,126 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
 }
 """
 
-# A warp's step: 16 features (lane group g holds features g and g + 8) by TK = 4 * VALS of k, lane t of
-# the group loading VALS consecutive k of both (16 bytes each). The products sum over k, so k may be
-# renumbered inside a step as long as W and x agree: mma kk's fragment slots 2t, 2t+1 hold
-# k = 16-byte chunk t's 4kk, 4kk+1 and slots 2t+8, 2t+9 its 4kk+2, 4kk+3, for W (A) and x (B) alike.
-# Each lane then dequantizes only its own loaded words and reads x as 8-byte pieces.
+# A warp's step: FEATURE_GROUPS groups of 16 features (lane group g holds features g and g + 8 of each)
+# by TK = 4 * VALS of k, lane t of the group loading VALS consecutive k of each row (16 bytes). The
+# products sum over k, so k may be renumbered inside a step as long as W and x agree: mma kk's
+# fragment slots 2t, 2t+1 hold k = 16-byte chunk t's 4kk, 4kk+1 and slots 2t+8, 2t+9 its 4kk+2,
+# 4kk+3, for W (A) and x (B) alike. Each lane then dequantizes only its own loaded words and reads x
+# as 8-byte pieces, once for all its groups (the module says why).
 SOURCE = """
     constexpr int VALS = 128 / BITS;   // weights in one lane's 16 bytes of a row: 16 (8-bit) or 32 (4-bit)
     constexpr int TK = 4 * VALS;       // k a warp covers a step
-    constexpr int KK = VALS / 4;       // mma instructions a step (k 16 each) per tile of 8 rows
-    __shared__ float sums[WARPS][MT][16 * 8];
+    constexpr int KK = VALS / 4;       // mma instructions a step (k 16 each) per group per tile of 8 rows
+    __shared__ float sums[MT][FG][16 * 8];
 
     const int K = x_shape[1];
     const int N = w_shape[0];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int n0 = blockIdx.x * 16;
+    const int n0 = blockIdx.x * 16 * FG;
     const int steps = K / TK;
     const int groups = K / GROUP;
     const int64_t row_vecs = (int64_t)K * BITS / 128;  // 16-byte words a row of W
-    const uint4* w_lo = reinterpret_cast<const uint4*>(w) + (int64_t)(n0 + g) * row_vecs + t;
-    const uint4* w_hi = w_lo + 8 * row_vecs;
-    const T* s_lo = scales + (int64_t)(n0 + g) * groups;
-    const T* s_hi = s_lo + 8 * groups;
-    const T* b_lo = biases + (int64_t)(n0 + g) * groups;
-    const T* b_hi = b_lo + 8 * groups;
+    const uint4* w_row = reinterpret_cast<const uint4*>(w) + (int64_t)(n0 + g) * row_vecs + t;
+    const T* s_row = scales + (int64_t)(n0 + g) * groups;
+    const T* b_row = biases + (int64_t)(n0 + g) * groups;
     const T* x_lane = x + (int64_t)g * K + t * VALS;  // row g of each tile of 8 rows
 
-    float acc[MT][4];
-    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+    float acc[FG][MT][4];
+    #pragma unroll
+    for (int f = 0; f < FG; ++f)
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc[f][mt][0] = acc[f][mt][1] = acc[f][mt][2] = acc[f][mt][3] = 0.0f;
 
-    // The next step's words are loaded before this step's are used: loads in flight while we compute.
+    // The next step's words, scales and biases load before this step's are used: loads in flight
+    // while we compute. Row r of a group: features 16f (h = 0) and 16f + 8 (h = 1) from the lane's g.
+    uint4 next_w[FG][2];
+    T next_s[FG][2], next_b[FG][2];
     int step = warp;
-    uint4 next_lo, next_hi;
-    if (step < steps) { next_lo = w_lo[step * 4]; next_hi = w_hi[step * 4]; }
+    if (step < steps) {
+      const int gi = (step * TK + t * VALS) / GROUP;
+      #pragma unroll
+      for (int f = 0; f < FG; ++f)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t r = 16 * f + 8 * h;
+          next_w[f][h] = w_row[r * row_vecs + step * 4];
+          next_s[f][h] = s_row[r * groups + gi];
+          next_b[f][h] = b_row[r * groups + gi];
+        }
+    }
     for (; step < steps; step += WARPS) {
-      const uint4 cur_lo = next_lo, cur_hi = next_hi;
-      if (step + WARPS < steps) { next_lo = w_lo[(step + WARPS) * 4]; next_hi = w_hi[(step + WARPS) * 4]; }
-      const int k = step * TK + t * VALS;
-      const float scale_lo = static_cast<float>(s_lo[k / GROUP]), bias_lo = static_cast<float>(b_lo[k / GROUP]);
-      const float scale_hi = static_cast<float>(s_hi[k / GROUP]), bias_hi = static_cast<float>(b_hi[k / GROUP]);
-      const uint32_t* words_lo = reinterpret_cast<const uint32_t*>(&cur_lo);
-      const uint32_t* words_hi = reinterpret_cast<const uint32_t*>(&cur_hi);
+      uint4 cur_w[FG][2];
+      float cur_s[FG][2], cur_b[FG][2];
+      #pragma unroll
+      for (int f = 0; f < FG; ++f)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          cur_w[f][h] = next_w[f][h];
+          cur_s[f][h] = static_cast<float>(next_s[f][h]);
+          cur_b[f][h] = static_cast<float>(next_b[f][h]);
+        }
+      if (step + WARPS < steps) {
+        const int gi = ((step + WARPS) * TK + t * VALS) / GROUP;
+        #pragma unroll
+        for (int f = 0; f < FG; ++f)
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int64_t r = 16 * f + 8 * h;
+            next_w[f][h] = w_row[r * row_vecs + (step + WARPS) * 4];
+            next_s[f][h] = s_row[r * groups + gi];
+            next_b[f][h] = b_row[r * groups + gi];
+          }
+      }
       #pragma unroll
       for (int kk = 0; kk < KK; ++kk) {
-        float lo[4], hi[4];
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int i = 4 * kk + j;
-          const uint32_t mask = (1u << BITS) - 1u;
-          lo[j] = static_cast<float>((words_lo[i * BITS / 32] >> ((i * BITS) % 32)) & mask) * scale_lo + bias_lo;
-          hi[j] = static_cast<float>((words_hi[i * BITS / 32] >> ((i * BITS) % 32)) & mask) * scale_hi + bias_hi;
-        }
-        const uint32_t a[4] = {pack2<T>(lo[0], lo[1]), pack2<T>(hi[0], hi[1]), pack2<T>(lo[2], lo[3]), pack2<T>(hi[2], hi[3])};
+        uint32_t b[MT][2];
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const uint2 xv = *reinterpret_cast<const uint2*>(x_lane + (int64_t)mt * 8 * K + step * TK + 4 * kk);
-          const uint32_t b[2] = {xv.x, xv.y};
-          mma_16816<T>(acc[mt], a, b);
+          b[mt][0] = xv.x;
+          b[mt][1] = xv.y;
+        }
+        #pragma unroll
+        for (int f = 0; f < FG; ++f) {
+          const uint32_t* words_lo = reinterpret_cast<const uint32_t*>(&cur_w[f][0]);
+          const uint32_t* words_hi = reinterpret_cast<const uint32_t*>(&cur_w[f][1]);
+          float lo[4], hi[4];
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int i = 4 * kk + j;
+            const uint32_t mask = (1u << BITS) - 1u;
+            lo[j] = static_cast<float>((words_lo[i * BITS / 32] >> ((i * BITS) % 32)) & mask) * cur_s[f][0] + cur_b[f][0];
+            hi[j] = static_cast<float>((words_hi[i * BITS / 32] >> ((i * BITS) % 32)) & mask) * cur_s[f][1] + cur_b[f][1];
+          }
+          const uint32_t a[4] = {pack2<T>(lo[0], lo[1]), pack2<T>(hi[0], hi[1]), pack2<T>(lo[2], lo[3]), pack2<T>(hi[2], hi[3])};
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(acc[f][mt], a, b[mt]);
         }
       }
     }
-    // acc[mt]: features g (0, 1) and g + 8 (2, 3), rows 2t and 2t + 1 of tile mt.
-    for (int mt = 0; mt < MT; ++mt) {
-      sums[warp][mt][g * 8 + 2 * t] = acc[mt][0];
-      sums[warp][mt][g * 8 + 2 * t + 1] = acc[mt][1];
-      sums[warp][mt][(g + 8) * 8 + 2 * t] = acc[mt][2];
-      sums[warp][mt][(g + 8) * 8 + 2 * t + 1] = acc[mt][3];
+    // acc[f][mt]: features 16f + g (0, 1) and 16f + g + 8 (2, 3), rows 2t and 2t + 1 of tile mt.
+    // The warps' sums are added in warp order, one warp at a time: the same order on every run.
+    for (int w_ = 0; w_ < WARPS; ++w_) {
+      if (warp == w_) {
+        #pragma unroll
+        for (int f = 0; f < FG; ++f)
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            float* s = sums[mt][f];
+            const int i0 = g * 8 + 2 * t, i1 = (g + 8) * 8 + 2 * t;
+            if (w_ == 0) {
+              s[i0] = acc[f][mt][0]; s[i0 + 1] = acc[f][mt][1]; s[i1] = acc[f][mt][2]; s[i1 + 1] = acc[f][mt][3];
+            } else {
+              s[i0] += acc[f][mt][0]; s[i0 + 1] += acc[f][mt][1]; s[i1] += acc[f][mt][2]; s[i1 + 1] += acc[f][mt][3];
+            }
+          }
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < MT * 8 * 16; i += WARPS * 32) {
-      const int n = i % 16, m = i / 16;
-      float total = 0.0f;
-      for (int w_ = 0; w_ < WARPS; ++w_) total += sums[w_][m / 8][n * 8 + m % 8];
-      out[(int64_t)m * N + n0 + n] = static_cast<T>(total);
+    for (int i = threadIdx.x; i < MT * 8 * 16 * FG; i += WARPS * 32) {
+      const int n = i % (16 * FG), m = i / (16 * FG);
+      out[(int64_t)m * N + n0 + n] = static_cast<T>(sums[m / 8][n / 16][(n % 16) * 8 + m % 8]);
     }
 """
 
@@ -193,7 +251,7 @@ def linear(layer: nn.QuantizedLinear, x: mx.array) -> mx.array:
     out = kernel()(
         inputs=[x2, layer["weight"], layer["scales"], layer["biases"]],
         template=[("T", x.dtype), ("BITS", layer.bits), ("GROUP", layer.group_size), ("MT", tiles),
-                  ("WARPS", WARPS)],
+                  ("WARPS", WARPS), ("FG", FEATURE_GROUPS)],
         grid=(n // TILE_N * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(tiles * TILE_ROWS, n)], output_dtypes=[x.dtype])[0]
     y = out[:rows].reshape(*x.shape[:-1], n)
