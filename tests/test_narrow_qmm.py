@@ -3,7 +3,8 @@
 Where MLX CUDA runs: the kernel computes x @ dequantize(W).T, element by element within what rounding
 to bf16/fp16 allows, for every layout it takes, row counts from 2 to MAX_ROWS (each tile count,
 padded ones too), K splitting into fewer steps than warps and into counts that aren't a multiple of
-them, and groups of very different scales (a scale or bias read from the wrong group or row shows).
+them, and groups of very different scales (a scale or bias read from the wrong group or row shows);
+the same bits whether a warp computes one group of 16 features or two.
 Anywhere: which layers and widths it takes, that only the engine's forwards on MLX CUDA take it, by
 default from where it was measured faster, the variable that sets the rows, and that a model's
 instances are built at load."""
@@ -61,6 +62,23 @@ def test_gives_the_dequantized_product(bits, group_size, dtype, k):
 
 
 @cuda_only
+@pytest.mark.parametrize("bits,group_size,dtype,k", [
+    (8, 64, mx.bfloat16, 1024), (8, 128, mx.float16, 1152), (4, 32, mx.float16, 384), (4, 128, mx.bfloat16, 2048)])
+def test_the_groups_a_warp_computes_change_no_bit(monkeypatch, bits, group_size, dtype, k):
+    """Each output's products, and the order they are summed in, are the same however many groups
+    of 16 features a warp computes, so the outputs are the same bits: a block's shape is tuned for
+    speed alone."""
+    q = layer(288, k, bits, group_size, dtype, seed=k)
+    rng = np.random.default_rng(bits)
+    xs = [mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype) for rows in (3, 17, 40, 64)]
+    tuned = [narrow_qmm.linear(q, x) for x in xs]
+    monkeypatch.setattr(narrow_qmm, "FEATURE_GROUPS", 1)
+    monkeypatch.setattr(narrow_qmm, "TILE_N", 16)
+    for x, y in zip(xs, tuned):
+        assert mx.array_equal(narrow_qmm.linear(q, x), y).item(), x.shape
+
+
+@cuda_only
 def test_batched_input_and_bias():
     q = layer(128, 512, 8, 64, bias=True, seed=3)
     check(q, mx.array(np.random.default_rng(3).standard_normal((3, 5, 512)).astype(np.float32)).astype(mx.bfloat16))
@@ -102,10 +120,11 @@ def test_on_mlx_cuda_from_where_it_was_measured_faster(monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
     assert quantized_route.install() and quantized_route.narrow_rows == (narrow_qmm.FASTER_FROM, narrow_qmm.MAX_ROWS)
     assert quantized_route.measurement_key()["narrow_qmm_rows"] == "4-64"
+    assert quantized_route.measurement_key()["narrow_qmm_version"] == narrow_qmm.VERSION  # a new kernel: curves again
     quantized_route.uninstall()
     monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "0")
     assert quantized_route.install() and quantized_route.narrow_rows == (0, 0)
-    assert "narrow_qmm_rows" not in quantized_route.measurement_key()
+    assert not any(k.startswith("narrow_qmm") for k in quantized_route.measurement_key())
 
 
 def test_never_off_mlx_cuda(monkeypatch):
@@ -113,7 +132,7 @@ def test_never_off_mlx_cuda(monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_WIDE_DEQUANTIZE", "1")
     monkeypatch.setenv("MLX_DSPARK_NARROW_QMM_ROWS", "2-8")
     assert quantized_route.install() and quantized_route.narrow_rows == (0, 0)
-    assert "narrow_qmm_rows" not in quantized_route.measurement_key()
+    assert not any(k.startswith("narrow_qmm") for k in quantized_route.measurement_key())
     assert quantized_route.build_for(nn.Sequential(layer(64, 512, 8, 64))) == 0
 
 

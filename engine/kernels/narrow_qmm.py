@@ -25,7 +25,7 @@ Why two groups a warp: with one, every block reads all of x for its 16 features,
 L2) were as many bytes as the weights' at 8 rows and eight times as many at 64. Two groups halve
 them. Measured 2026-12-06 on an H100 (mlx-cuda-13 0.32.4), the engine's forward of the 8-bit 8B
 yardstick at depth 2048 (`measure_cost_curve`, median of 3 sweeps, a narrower width capped at a
-wider one's time), one process, one group a warp and two alternating, ms (two runs of each):
+wider one's time), one process, one group a warp and two alternating, ms (two runs of ours, one of MLX's):
 
 | rows | 1 | 2 | 4-16 | 24-32 | 48-64 |
 |---|---|---|---|---|---|
@@ -35,9 +35,9 @@ wider one's time), one process, one group a warp and two alternating, ms (two ru
 
 (Another H100 the same day, the same probe: one group 24.6 / 27.9 / 33.2 ms at 4-16 / 24-32 /
 48-64 rows, two groups 17.5 / 20.5 / 23.8.) Outputs are bit for bit the one-group kernel's (same
-products, same order). Four groups a warp read no faster than one (more registers a thread,
+products, same order; checked there for bf16, 8-bit, groups of 64). Four groups a warp read no faster than one (more registers a thread,
 fewer blocks; not profiled), and int-to-float by exponent bits instead of a conversion
-instruction changed nothing.
+instruction changed nothing (one run).
 So engine forwards of FASTER_FROM to MAX_ROWS rows take it by default on MLX CUDA
 (engine/kernels/quantized_route.py routes; `MLX_DSPARK_NARROW_QMM_ROWS` sets the range); at 2 rows
 MLX's kernel is faster. Each (dtype, bits, group, tiles) instance took 1.3-2.4 s to build on first
@@ -50,6 +50,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+VERSION = 2  # the kernel's revision, in the cost curve's key: a curve measured under another is measured again
 MAX_ROWS = 64  # rows (tokens over the batch) one forward may bring: 8 tiles of 8
 FASTER_FROM = 4  # rows from which it beats MLX's kernels (measured above; at 2 MLX's are faster)
 TILE_COUNTS = (1, 2, 4, 8)  # the instances compiled: x's rows padded to one of these tiles of 8

@@ -61,11 +61,14 @@ def wide_rows() -> int | None:
 
 def measurement_key() -> dict:
     """What a measurement of engine forwards (cost curve, prefill chunk) depends on here: the rows
-    at which they take other kernels, where any do (nothing on a CPU or Metal, so keys stay)."""
+    at which they take other kernels, where any do, and narrow_qmm's revision (nothing on a CPU or
+    Metal, so keys stay)."""
     if _original is None:
         return {}
-    narrow = {"narrow_qmm_rows": "%d-%d" % narrow_rows} if narrow_rows[1] else {}
-    return {"wide_dequantize_rows": min_rows, **narrow}
+    if not narrow_rows[1]:
+        return {"wide_dequantize_rows": min_rows}
+    return {"wide_dequantize_rows": min_rows, "narrow_qmm_rows": "%d-%d" % narrow_rows,
+            "narrow_qmm_version": narrow_qmm.VERSION}
 
 
 def _rows_from_env(name: str, default: int, low: int) -> int:
