@@ -2,14 +2,16 @@
 # The yardsticks at real cost on a GPU (MLX CUDA or Metal): the bundled model widened to Qwen3-8B's
 # shape and to Qwen3-30B-A3B's MoE shape (training/widen.py, quantised as written), the bundled hybrid
 # to Qwen3.6-35B-A3B's (training/widen_hybrid.py), then for each
-# `benchmark --contents refactor,edit,chat` against mlx-lm, the concurrency benchmark (1, 4, 8
+# `benchmark --contents refactor,edit,chat` against mlx-lm, a verify round of refactor and of edit
+# against bare forwards of its inputs (scripts/profile_rounds.py), the concurrency benchmark (1, 4, 8
 # streams), a 16k-token cold prefill against mlx-lm's (scripts/profile_prefill_gpu.py) and the
 # agent sessions against mlx_lm.server (scripts/replay_agent.py, both fixtures). From the repository root:
 #
 #     bash scripts/real_cost_bench.sh OUT_DIR
 #
-# Writes OUT_DIR/<shape>_q<bits>_{build,tune,benchmark,concurrency}.log, the JSON of each
-# measuring pass (<shape>_q<bits>_benchmark.json, _concurrency.json) and OUT_DIR/progress.log;
+# Writes OUT_DIR/<shape>_q<bits>_{build,tune,benchmark,rounds_*,concurrency,...}.log, the JSON of each
+# measuring pass (<shape>_q<bits>_benchmark.json, _rounds_refactor.json, _concurrency.json, ...), the
+# replay's server logs (<shape>_q<bits>_replay_<fixture>_serve.log, _mlx_lm_server.log) and OUT_DIR/progress.log;
 # measurement caches (cost curve, batch surface) go to OUT_DIR/cache. The models are built under
 # MODELS_DIR (default /tmp/yardsticks, outside OUT_DIR: their weights don't come back; the 8-bit
 # MoE is ~42 GB) and removed after their passes unless KEEP=1. Every pass is capped with `timeout`
@@ -21,11 +23,11 @@
 # kernels, so neither is charged to the benchmark's first measured side (which also alternates
 # who goes first); the concurrency benchmark warms up by itself as well.
 # Environment: SHAPES ("qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b"), QBITS ("8"; "4 8" for both), PASSES (which
-# passes, default "tune benchmark concurrency prefill replay"; all of them take about 15 minutes a
+# passes, default "tune benchmark rounds concurrency prefill replay"; all of them take about 15 minutes a
 # model on an H200, 45 for the three, so a machine whose calls end at 10 minutes runs them in two calls with KEEP=1),
 # FIXTURES (replay_agent's names or .jsonl paths: "rename-session long-session", read from
 # ../shared/fixtures), TRIALS (2), MAX_TOKENS (unset: each content's own budget), PYTHON (python3),
-# MODELS_DIR, KEEP, and the caps PREFILL_S (180), REPLAY_S (200); a PYTHONPATH given (an MLX build
+# MODELS_DIR, KEEP, and the caps ROUNDS_S (120 each), PREFILL_S (180), REPLAY_S (200); a PYTHONPATH given (an MLX build
 # installed with pip --target) is kept after the repository.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +41,7 @@ models_dir=${MODELS_DIR:-/tmp/yardsticks}
 trials=${TRIALS:-2}
 budget=()
 [ -n "${MAX_TOKENS:-}" ] && budget=(--max-tokens "$MAX_TOKENS")
-wants() { [[ " ${PASSES:-tune benchmark concurrency prefill replay} " == *" $1 "* ]]; }
+wants() { [[ " ${PASSES:-tune benchmark rounds concurrency prefill replay} " == *" $1 "* ]]; }
 log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$out/progress.log"; }
 
 # pass NAME SECONDS COMMAND...: run one capped pass, its output in OUT_DIR/NAME.log
@@ -75,6 +77,12 @@ for shape in ${SHAPES:-qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b}; do
     wants tune && pass "${tag}_tune" "${TUNE_S:-240}" $py -m agent_bridge tune --model "$model"
     wants benchmark && pass "${tag}_benchmark" "${BENCH_S:-150}" $py -m agent_bridge benchmark --model "$model" \
       --contents refactor,edit,chat --trials "$trials" "${budget[@]}" --json-file "$out/${tag}_benchmark.json"
+    if wants rounds; then  # a verify round against bare forwards of its inputs (scripts/profile_rounds.py)
+      pass "${tag}_rounds_refactor" "${ROUNDS_S:-120}" $py scripts/profile_rounds.py --model "$model" \
+        --content refactor --max-draft 32 --json "$out/${tag}_rounds_refactor.json"
+      pass "${tag}_rounds_edit" "${ROUNDS_S:-120}" $py scripts/profile_rounds.py --model "$model" \
+        --content edit --max-draft 64 --json "$out/${tag}_rounds_edit.json"
+    fi
     wants concurrency && pass "${tag}_concurrency" "${CONC_S:-120}" $py scripts/bench_concurrency.py --model "$model" \
       --contents chat,refactor --concurrency 1,4,8 --trials "$trials" --max-tokens "${MAX_TOKENS:-128}" \
       --no-http --tune --json-file "$out/${tag}_concurrency.json"
@@ -86,6 +94,9 @@ for shape in ${SHAPES:-qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b}; do
         pass "${tag}_replay_$name" "${REPLAY_S:-200}" $py scripts/replay_agent.py --fixtures "$fixture" \
           --model "$model" --no-restarts --context-window 65536 --work-dir "$models_dir/replay-$tag-$name" \
           --json "$out/${tag}_replay_$name.json"
+        for log in "$models_dir/replay-$tag-$name"/*.log; do  # the servers' own logs come back too
+          [ -e "$log" ] && cp "$log" "$out/${tag}_replay_${name}_$(basename "$log")"
+        done
       done
     fi
     [ "${KEEP:-0}" = 1 ] || rm -rf "$model" "$models_dir/replay-$tag-"*
