@@ -77,11 +77,11 @@ for shape in ${SHAPES:-qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b}; do
     wants tune && pass "${tag}_tune" "${TUNE_S:-240}" $py -m agent_bridge tune --model "$model"
     wants benchmark && pass "${tag}_benchmark" "${BENCH_S:-150}" $py -m agent_bridge benchmark --model "$model" \
       --contents refactor,edit,chat --trials "$trials" "${budget[@]}" --json-file "$out/${tag}_benchmark.json"
-    if wants rounds; then  # a verify round against bare forwards of its inputs (scripts/profile_rounds.py)
-      pass "${tag}_rounds_refactor" "${ROUNDS_S:-120}" $py scripts/profile_rounds.py --model "$model" \
-        --content refactor --max-draft 32 --json "$out/${tag}_rounds_refactor.json"
-      pass "${tag}_rounds_edit" "${ROUNDS_S:-120}" $py scripts/profile_rounds.py --model "$model" \
-        --content edit --max-draft 64 --json "$out/${tag}_rounds_edit.json"
+    if wants rounds; then  # a round through the engine against bare forwards of its inputs (scripts/profile_rounds.py)
+      for content in refactor edit; do
+        pass "${tag}_rounds_$content" "${ROUNDS_S:-120}" $py scripts/profile_rounds.py --model "$model" \
+          --content $content --json "$out/${tag}_rounds_$content.json"
+      done
     fi
     wants concurrency && pass "${tag}_concurrency" "${CONC_S:-120}" $py scripts/bench_concurrency.py --model "$model" \
       --contents chat,refactor --concurrency 1,4,8 --trials "$trials" --max-tokens "${MAX_TOKENS:-128}" \
