@@ -60,17 +60,17 @@ def profile(target, prompt: list[int], max_tokens: int, max_draft: int | str) ->
         drafter.start(prompt)
         controller = draft_controller(target, len(prompt), mode="lookup") if max_draft == "auto" else None
         cap, hard_cap = (controller, controller.max_cap) if controller else (lambda: max_draft, max_draft)
-        rounds, made, eos = [], [0], target.eos_token_ids
-        left = lambda: max(0, max_tokens - made[0] - 1)  # noqa: E731  (the engine's: no draft past the budget)
+        rounds, made, eos = [], 0, target.eos_token_ids
+        left = lambda: max(0, max_tokens - made - 1)  # noqa: E731  (the engine's: no draft past the budget)
         for r in speculative_rounds(target, cache, prompt[-1], drafter, SamplingParams(), lambda: min(cap(), left()),
                                     hard_cap=lambda: min(hard_cap, left())):
             if controller is not None:
                 controller.observe(r.drafted, r.accepted, r.source)
             rounds.append(r)
-            made[0] += len(r.tokens)
-            if made[0] >= max_tokens or eos.intersection(r.tokens):
+            made += len(r.tokens)
+            if made >= max_tokens or eos.intersection(r.tokens):
                 break  # where the engine stops
-        return rounds, made[0]
+        return rounds, made
 
     decode()  # untimed: every shape this decode meets, met once
     rounds, made = decode()
