@@ -11,6 +11,8 @@ whichever the cost curve measured cheaper for this model, engine/caches/state_ca
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -19,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.base.errors import CancelledError
+from engine.base.platform import on_cuda
 from engine.base.sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
 from engine.caches.rollback import DEFAULT_ROLLBACK, mark, needs_replay, supports_drafts, take_back
 from engine.caches.state_capture import widest_capture
@@ -95,6 +98,32 @@ def warm_up(target: Target, cache: list) -> None:
         prefill(target, cache, [0] * width, chunk_size=width)
 
 
+@functools.cache
+def _width_step() -> int:
+    """Verify forwards run at a multiple of this many tokens (`verify_width` says why)."""
+    raw = os.environ.get("MLX_DSPARK_VERIFY_WIDTH_STEP")
+    if raw is None:
+        return 8 if on_cuda() else 1  # a CPU computes every extra position: none there
+    if not raw.isdecimal() or int(raw) < 1:
+        raise ValueError(f"MLX_DSPARK_VERIFY_WIDTH_STEP takes a whole number >= 1 (1: as drafted), not {raw!r}")
+    return int(raw)
+
+
+def verify_width(tokens: int) -> int:
+    """The width a verify forward of `tokens` inputs runs at: on MLX CUDA the next multiple of 8.
+    MLX CUDA replays a forward as captured graphs, one kept per sequence of kernel launches and
+    updated in place for the next forward of that sequence; a shape met for the first time (or
+    after others) can mean other kernels, and a graph built again. A verify forward's width
+    follows its draft, so it was new most rounds; on an H100 (8B yardstick, 8-bit) the edit
+    content's rounds then cost 31-36 ms against 25 ms once their shapes had been met, and a few
+    widths instead of every one (with keys padded to gpu_attention's KEY_BLOCK) made `benchmark`'s
+    edit 1.27x faster (docs/benchmarks.md). The extra positions (the last input again) come after
+    every real one, so causally no real token sees them; their logits are dropped and their KV is
+    taken back with the rejected draft. `MLX_DSPARK_VERIFY_WIDTH_STEP` sets the multiple."""
+    step = _width_step()
+    return -(-tokens // step) * step
+
+
 def speculative_rounds(
     target: Target,
     cache: list,
@@ -133,6 +162,8 @@ def speculative_rounds(
     if drafting and needs_replay(cache) and (rollback or target.state_rollback or DEFAULT_ROLLBACK) == "capture":
         # split over ranks, each holds its own recurrent layers: all capture up to the same width
         capture_width = min(target.ranks.gather(widest_capture(cache)))
+    # Recurrent layers would capture or replay the padding too: only attention caches are padded
+    padded = drafting and not needs_replay(cache)
     y = last_token
     while True:
         t0 = time.perf_counter()
@@ -154,14 +185,17 @@ def speculative_rounds(
                                          continue_after=drafter.continue_after)
             draft_tokens, q, cut, forced = shaped.tokens, shaped.q, shaped.cut, shaped.forced
         inputs = [y, *draft_tokens]
+        fed = inputs + [inputs[-1]] * (verify_width(len(inputs)) - len(inputs)) if padded and draft_tokens else inputs
         before = mark(cache) if draft_tokens else None
-        fwd = Forward(inputs, cache, tuple(drafter.tap_layers),
+        fwd = Forward(fed, cache, tuple(drafter.tap_layers),
                       capture=bool(draft_tokens) and len(inputs) <= capture_width)
         if defer_forward:
             yield fwd
         else:
             fwd.run(target)
         logits, hidden = fwd.result
+        if len(fed) > len(inputs):
+            logits = logits[: len(inputs)]  # the padding's rows: no draft token's
         if grammar is not None:  # the forward computes on MLX's thread while llguidance makes the masks
             mx.async_eval(logits)
             bits = grammar.bitmasks_along(draft_tokens)
@@ -178,7 +212,7 @@ def speculative_rounds(
         if grammar is not None:
             grammar.advance([*draft_tokens[:n], nxt])
         if draft_tokens:
-            take_back(cache, before, len(inputs), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache),
+            take_back(cache, before, len(fed), n + 1, replay=lambda: target.forward(inputs[: n + 1], cache),
                       captured=fwd.captured)
         committed = [*draft_tokens[:n], nxt]
         drafter.commit(

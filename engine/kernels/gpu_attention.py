@@ -11,8 +11,11 @@ are a few MB at verify widths. Prefill chunks (wider) stay with cuDNN: their sha
 because chunks end at multiples of the chunk size (engine/model/vision.py `prefill_chunks`).
 Decoding (one query) stays with MLX's vector kernel. `MLX_DSPARK_GPU_ATTENTION=0` turns it off.
 Even so a round's depth is new every round, and the two matmuls cost more at a shape met for the
-first time; keys padded with masked zeros to a multiple of KEY_BLOCK (256) made a refactor's
-verify rounds 29-30 ms instead of 31-33 on an H100 (8B yardstick, docs/benchmarks.md).
+first time, so keys are padded with masked zeros to a multiple of KEY_BLOCK: 256 made a refactor's
+verify rounds 29-30 ms instead of 31-33 on an H100 (8B yardstick); 2048, with verify widths in
+steps of 8 (engine/decoding/verify.py `verify_width`), made `benchmark`'s edit 1.27x faster there
+again (docs/benchmarks.md). Past the 2048 the extra keys cost little: a verify width's scores
+are a few MB, its forward's time is in reading the weights.
 
 A short prefill chunk (an agent's warm turn adds ~80-500 tokens, past MAX_WIDTH) stays with cuDNN,
 whose attention beats the plain ops there, but its shape, (new tokens, depth), is new every turn,
@@ -41,7 +44,7 @@ _original = None
 
 def _key_block() -> int:
     """Keys are padded (masked) to a multiple of this; 1: as they come (the module says why)."""
-    raw = os.environ.get("MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK", "256")
+    raw = os.environ.get("MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK", "2048")
     if not raw.isdecimal() or int(raw) < 1:
         raise ValueError(f"MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK takes a whole number >= 1 (1: no padding), not {raw!r}")
     return int(raw)
