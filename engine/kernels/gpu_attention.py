@@ -14,8 +14,8 @@ Even so a round's depth is new every round, and the two matmuls cost more at a s
 first time, so keys are padded with masked zeros to a multiple of KEY_BLOCK: 256 made a refactor's
 verify rounds 29-30 ms instead of 31-33 on an H100 (8B yardstick); 2048, with verify widths in
 steps of 8 (engine/decoding/verify.py `verify_width`), made `benchmark`'s edit 1.27x faster there
-again (docs/benchmarks.md). Past the 2048 the extra keys cost little: a verify width's scores
-are a few MB, its forward's time is in reading the weights.
+again (docs/benchmarks.md). Up to 2047 masked keys more cost little: at a verify width the scores
+are a few MB, and the forward's time goes to reading the weights.
 
 A short prefill chunk (an agent's warm turn adds ~80-500 tokens, past MAX_WIDTH) stays with cuDNN,
 whose attention beats the plain ops there, but its shape, (new tokens, depth), is new every turn,
