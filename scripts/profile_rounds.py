@@ -48,8 +48,8 @@ def profile(target, prompt: list[int], max_tokens: int, max_draft: int | str) ->
 
     from engine.base.sampling import SamplingParams
     from engine.caches.kv_segments import fresh_cache
-    from engine.caches.rollback import mark, needs_replay, take_back
-    from engine.decoding.verify import prefill, speculative_rounds, verify_width
+    from engine.caches.rollback import mark, take_back
+    from engine.decoding.verify import prefill, speculative_rounds
     from engine.drafting.lookup import LookupDrafter
     from engine.tuning.draft_control import draft_controller
 
@@ -80,9 +80,7 @@ def profile(target, prompt: list[int], max_tokens: int, max_draft: int | str) ->
     depth, y = len(prompt) - 1, prompt[-1]
     timings = {row: [] for row in REPLAYS}
     for r in rounds:
-        width = r.drafted + 1
-        if r.drafted and not needs_replay(cache):  # as the loop ran it (padded on MLX CUDA)
-            width = verify_width(width)
+        width = r.width  # as the loop ran it (padded on MLX CUDA)
         # the loop fed the last token and its draft; the kept part is the round's accepted tokens
         inputs = ([y, *r.tokens[:-1]] + [y] * width)[:width]
         for row in REPLAYS:

@@ -44,6 +44,7 @@ class Round:
     # leave the cache as if the round had committed just those. Call it right after the round.
     keep_only: Callable[[int], None] | None = None
     source: str = ""  # the drafter that proposed this round's draft ("" when none was drafted)
+    width: int = 1  # the rows its forward ran: the last token and the draft, padded (`verify_width`)
 
 
 def prefill(
@@ -159,11 +160,12 @@ def speculative_rounds(
     # decode it plainly, which is always correct.
     drafting = supports_drafts(cache)
     capture_width = 0  # the widest pass whose recurrent states are captured; wider ones replay
-    if drafting and needs_replay(cache) and (rollback or target.state_rollback or DEFAULT_ROLLBACK) == "capture":
+    recurrent = drafting and needs_replay(cache)
+    if recurrent and (rollback or target.state_rollback or DEFAULT_ROLLBACK) == "capture":
         # split over ranks, each holds its own recurrent layers: all capture up to the same width
         capture_width = min(target.ranks.gather(widest_capture(cache)))
     # Recurrent layers would capture or replay the padding too: only attention caches are padded
-    padded = drafting and not needs_replay(cache)
+    padded = drafting and not recurrent
     y = last_token
     while True:
         t0 = time.perf_counter()
@@ -225,7 +227,7 @@ def speculative_rounds(
                 take_back(cache, before, held, u, replay=lambda: target.forward(inputs[:u], cache),
                           captured=captured)
         source = ("grammar" if forced == len(draft_tokens) else (draft.source or drafter.name)) if draft_tokens else ""
-        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source)
+        yield Round(committed, len(draft_tokens), n, time.perf_counter() - t0, keep_only, source, len(fed))
 
 
 def accept_greedy_masked(logits: mx.array, draft: list[int], bits, vocab: int,
