@@ -57,7 +57,7 @@ def check(q: nn.QuantizedLinear, x: mx.array) -> None:
 def test_gives_the_dequantized_product(bits, group_size, dtype, k):
     q = layer(288, k, bits, group_size, dtype, seed=bits + group_size + k)  # 9 blocks of 32 features
     rng = np.random.default_rng(k)
-    for rows in (2, 7, 8, 9, 17, 31, 40, 64):  # tiles 1, 1, 1, 2, 3 (as 4), 4, 5 (as 8), 8
+    for rows in (2, 7, 8, 9, 17, 31, 40, 57, 64):  # tiles 1, 1, 1, 2, 3, 4, 5 (as 6), 8 (a short 8), 8
         check(q, mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(dtype))
 
 
@@ -145,15 +145,14 @@ def test_bad_rows_value_is_a_clear_error(monkeypatch, value):
 
 
 def test_a_models_instances_are_built_at_load(monkeypatch):
-    """One layout's four tile counts, each once, however many layers share it; layers it can't
+    """One layout's six tile counts, each once, however many layers share it; layers it can't
     read build nothing."""
     built = []
     monkeypatch.setattr(narrow_qmm, "linear", lambda layer, x: built.append((layer.bits, x.shape)) or mx.zeros((1,)))
     model = nn.Sequential(layer(64, 512, 8, 64), layer(128, 512, 8, 64), layer(64, 1024, 4, 64),
                           layer(60, 512, 8, 64), nn.Linear(512, 64))
-    assert narrow_qmm.build_for(model) == 8
-    assert sorted(built) == [(4, (8, 1024)), (4, (16, 1024)), (4, (32, 1024)), (4, (64, 1024)),
-                             (8, (8, 512)), (8, (16, 512)), (8, (32, 512)), (8, (64, 512))]
+    assert narrow_qmm.build_for(model) == 12
+    assert sorted(built) == [(bits, (rows, k)) for bits, k in ((4, 1024), (8, 512)) for rows in (8, 16, 24, 32, 48, 64)]
 
 
 def test_the_default_rows_are_where_the_profile_found_it_faster():

@@ -116,9 +116,11 @@ def verify_width(tokens: int) -> int:
     updated in place for the next forward of that sequence; a shape met for the first time (or
     after others) can mean other kernels, and a graph built again. A verify forward's width
     follows its draft, so it was new most rounds; on an H100 (8B yardstick, 8-bit) the edit
-    content's rounds then cost 31-36 ms against 25 ms once their shapes had been met, and a few
-    widths instead of every one (with keys padded to gpu_attention's KEY_BLOCK) made `benchmark`'s
-    edit 1.27x faster (docs/benchmarks.md). The extra positions (the last input again) come after
+    content's rounds then cost 31-36 ms against 25 ms once their shapes had been met. A few widths
+    instead of every one made `benchmark`'s edit 1.11x faster with gpu_attention's keys padded to
+    256, and changed nothing measurable with them padded to 2048 (its KEY_BLOCK now, which took
+    most of the gain; docs/benchmarks.md); the widths also fall on narrow_qmm's tile counts, so its
+    matmuls cost the padding nothing. The extra positions (the last input again) come after
     every real one, so causally no real token sees them; their logits are dropped and their KV is
     taken back with the rejected draft. `MLX_DSPARK_VERIFY_WIDTH_STEP` sets the multiple."""
     step = _width_step()

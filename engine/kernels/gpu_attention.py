@@ -12,10 +12,10 @@ because chunks end at multiples of the chunk size (engine/model/vision.py `prefi
 Decoding (one query) stays with MLX's vector kernel. `MLX_DSPARK_GPU_ATTENTION=0` turns it off.
 Even so a round's depth is new every round, and the two matmuls cost more at a shape met for the
 first time, so keys are padded with masked zeros to a multiple of KEY_BLOCK: 256 made a refactor's
-verify rounds 29-30 ms instead of 31-33 on an H100 (8B yardstick); 2048, with verify widths in
-steps of 8 (engine/decoding/verify.py `verify_width`), made `benchmark`'s edit 1.27x faster there
-again (docs/benchmarks.md). Up to 2047 masked keys more cost little: at a verify width the scores
-are a few MB, and the forward's time goes to reading the weights.
+verify rounds 29-30 ms instead of 31-33 on an H100 (8B yardstick); 2048 made `benchmark`'s edit
+1.3-1.4x faster there again (1445-1600 tok/s against 1886-2018, with verify widths as drafted or
+in steps of 8 alike; docs/benchmarks.md). Up to 2047 masked keys more cost little: at a verify
+width the scores are a few MB, and the forward's time goes to reading the weights.
 
 A short prefill chunk (an agent's warm turn adds ~80-500 tokens, past MAX_WIDTH) stays with cuDNN,
 whose attention beats the plain ops there, but its shape, (new tokens, depth), is new every turn,

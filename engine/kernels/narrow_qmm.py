@@ -41,8 +41,17 @@ instruction changed nothing (one run).
 So engine forwards of FASTER_FROM to MAX_ROWS rows take it by default on MLX CUDA
 (engine/kernels/quantized_route.py routes; `MLX_DSPARK_NARROW_QMM_ROWS` sets the range); at 2 rows
 MLX's kernel is faster. Each (dtype, bits, group, tiles) instance took 1.3-2.4 s to build on first
-use in a process (a second process paid 1.3-1.5 s again), hence four tile counts, not eight, built
+use in a process (a second process paid 1.3-1.5 s again), hence six tile counts, not eight, built
 at load by `build_for()`, not in a user's first requests.
+
+Which six: a forward costs what its tile count does, and verify forwards run at multiples of 8 rows
+on MLX CUDA (engine/decoding/verify.py `verify_width`), so every count is met. On an H200
+(2026-12-06, the 8-bit 8B yardstick's forward at depth 2048, two runs alternating) 3 tiles took
+17.1-17.6 ms where 4 took 20.0-21.2, and 6 tiles 22.5 where 8 took 23.6-24.3; 5 and 7 saved up to
+1.3 ms more each, not worth two more builds at every load. Splitting K over 2-8 blocks (fp32 partial
+sums added after) was slower in all but two of 100 layer shapes and row counts on an H100, and no
+faster in the forward; MLX's kernel through 2-D x no faster in the forward than through the
+model's 3-D (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -50,10 +59,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-VERSION = 2  # the kernel's revision, in the cost curve's key: a curve measured under another is measured again
+VERSION = 3  # the kernel's revision and tile counts, in the cost curve's key: a curve measured under others is measured again
 MAX_ROWS = 64  # rows (tokens over the batch) one forward may bring: 8 tiles of 8
 FASTER_FROM = 4  # rows from which it beats MLX's kernels (measured above; at 2 MLX's are faster)
-TILE_COUNTS = (1, 2, 4, 8)  # the instances compiled: x's rows padded to one of these tiles of 8
+TILE_COUNTS = (1, 2, 3, 4, 6, 8)  # the instances compiled: x's rows padded to one of these tiles of 8
 WARPS = 8  # warps a block, splitting K: enough blocks in flight for a 4096-wide layer on 132 SMs
 FEATURE_GROUPS = 2  # groups of 16 output features a warp computes, reading x once for them all
 TILE_N = 16 * FEATURE_GROUPS  # output features a block
