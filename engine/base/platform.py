@@ -279,6 +279,16 @@ def on_cuda() -> bool:
     return cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu
 
 
+def whole_number_setting(name: str, default: int, meaning_of_1: str) -> int:
+    """A kernel setting from environment variable `name`: a whole number >= 1, `default` where unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.isdecimal() or int(raw) < 1:
+        raise ValueError(f"{name} takes a whole number >= 1 (1: {meaning_of_1}), not {raw!r}")
+    return int(raw)
+
+
 def device_name() -> str:
     """The compute device in words; on CPU the BLAS too (it changes matmul speed 30x)."""
     import mlx.core as mx

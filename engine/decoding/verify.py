@@ -12,7 +12,6 @@ whichever the cost curve measured cheaper for this model, engine/caches/state_ca
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -21,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.base.errors import CancelledError
-from engine.base.platform import on_cuda
+from engine.base.platform import on_cuda, whole_number_setting
 from engine.base.sampling import SamplingParams, accept_greedy, accept_speculative, target_probs
 from engine.caches.rollback import DEFAULT_ROLLBACK, mark, needs_replay, supports_drafts, take_back
 from engine.caches.state_capture import widest_capture
@@ -102,12 +101,8 @@ def warm_up(target: Target, cache: list) -> None:
 @functools.cache
 def _width_step() -> int:
     """Verify forwards run at a multiple of this many tokens (`verify_width` says why)."""
-    raw = os.environ.get("MLX_DSPARK_VERIFY_WIDTH_STEP")
-    if raw is None:
-        return 8 if on_cuda() else 1  # a CPU computes every extra position: none there
-    if not raw.isdecimal() or int(raw) < 1:
-        raise ValueError(f"MLX_DSPARK_VERIFY_WIDTH_STEP takes a whole number >= 1 (1: as drafted), not {raw!r}")
-    return int(raw)
+    # a CPU computes every extra position: none there
+    return whole_number_setting("MLX_DSPARK_VERIFY_WIDTH_STEP", 8 if on_cuda() else 1, "as drafted")
 
 
 def verify_width(tokens: int) -> int:

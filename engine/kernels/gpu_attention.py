@@ -36,7 +36,7 @@ import os
 
 import mlx.core as mx
 
-from engine.base.platform import on_cuda
+from engine.base.platform import on_cuda, whole_number_setting
 from engine.kernels.cpu_attention import MAX_WIDTH
 
 _original = None
@@ -44,10 +44,7 @@ _original = None
 
 def _key_block() -> int:
     """Keys are padded (masked) to a multiple of this; 1: as they come (the module says why)."""
-    raw = os.environ.get("MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK", "2048")
-    if not raw.isdecimal() or int(raw) < 1:
-        raise ValueError(f"MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK takes a whole number >= 1 (1: no padding), not {raw!r}")
-    return int(raw)
+    return whole_number_setting("MLX_DSPARK_GPU_ATTENTION_KEY_BLOCK", 2048, "no padding")
 
 
 KEY_BLOCK = _key_block()
