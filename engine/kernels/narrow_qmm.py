@@ -50,8 +50,9 @@ on MLX CUDA (engine/decoding/verify.py `verify_width`), so every count is met. O
 17.1-17.6 ms where 4 took 20.0-21.2, and 6 tiles 22.5 where 8 took 23.6-24.3; 5 and 7 saved up to
 1.3 ms more each, not worth two more builds at every load. Splitting K over 2-8 blocks (fp32 partial
 sums added after) was slower in all but two of 100 layer shapes and row counts on an H100, and no
-faster in the forward; MLX's kernel through 2-D x no faster in the forward than through the
-model's 3-D (docs/benchmarks.md).
+faster in the forward. MLX's own kernel, faster alone from 8 rows, made the forward slower: on the
+H100 through the model's 3-D x, on the H200 through x reshaped to 2-D (22.1-32.0 ms at 8-64 rows
+against this kernel's 15.9-23.6 there; docs/benchmarks.md).
 """
 
 from __future__ import annotations
