@@ -8,7 +8,11 @@ the way `serve` handles /v1/messages: body parse, chat template, tokenising, the
 prefix-cache lookup, KV assembly, drafter start (the lookup index), prefill of the new tokens and
 the first decode round (max_tokens=1). Turn 1 is cold; the later turns are the warm ones. Stages are
 timed by wrapping the engine's own functions (nothing here changes what they do); `other` is the
-rest of the engine's time to first token.
+rest of the engine's time to first token. `keep` is the prefix cache keeping the prompt as it is
+computed (write-ahead and the prompt's end): with a disk tier (`--prefix-cache-dir`), handing its
+segments to the background writer, their copies to the host included. `queued MB` is what that
+writer still had to write when the turn began; `--wait-for-disk` lets it finish first, which
+separates what the writing costs a turn running beside it from what the turn itself pays.
 
 `--restart`: then the engine is closed (its disk tier written, as on SIGTERM), a new one opened on
 the same folder (`--prefix-cache-dir`, else a temporary one) and given one short warm-up request,
@@ -27,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STAGES = ("parse", "template", "tokenise", "lookup", "disk", "assemble", "drafter", "prefill", "first_round", "other")
+STAGES = ("parse", "template", "tokenise", "lookup", "disk", "assemble", "drafter", "prefill", "keep", "first_round",
+          "other")
 
 
 class Timers:
@@ -79,6 +84,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object per turn as well")
     ap.add_argument("--prefix-cache-dir", default=None, help="the disk tier's folder (with --restart: a temp one)")
     ap.add_argument("--restart", action="store_true", help="the last turn again on a restarted engine")
+    ap.add_argument("--wait-for-disk", action="store_true",
+                    help="before each turn, wait until the disk tier's writer has written everything queued")
     args = ap.parse_args()
     fixture = Path(args.fixture)
     if not fixture.exists():
@@ -97,6 +104,10 @@ def main() -> int:
     timers.wrap(engine_mod, "make_drafter", "drafter")
     timers.wrap(engine_mod, "prefill", "prefill")
     timers.wrap(pc_mod.PrefixCache, "release", "release")
+    for cls in (pc_mod.PrefixCache, *pc_mod.PrefixCache.__subclasses__()):  # each strategy's own hooks
+        for hook in ("write_ahead", "checkpoint"):
+            if hook in vars(cls):
+                timers.wrap(cls, hook, "keep")
     from engine.caches.kv_disk import DiskTier
 
     timers.wrap(DiskTier, "load_many", "disk")
@@ -112,6 +123,11 @@ def main() -> int:
     cache_dir = args.prefix_cache_dir or (tempfile.mkdtemp(prefix="profile-turn-") if args.restart else None)
 
     def turn(engine, label, line) -> dict:
+        t = time.perf_counter()
+        if args.wait_for_disk:
+            engine.flush_disk(None)
+        waited = time.perf_counter() - t
+        queued = (engine.cache_stats() or {}).get("disk_pending_bytes", 0)
         timers.s.clear()
         t0 = time.perf_counter()
         body = json.loads(line)["body"]
@@ -134,10 +150,13 @@ def main() -> int:
             "assemble": timers.s.get("assemble", 0.0),
             "drafter": timers.s.get("drafter", 0.0),
             "prefill": timers.s.get("prefill", 0.0),
+            "keep": timers.s.get("keep", 0.0),
             "first_round": max(0.0, st.ttft_s - st.prefill_s),
             "release": timers.s.get("release", 0.0),
+            "queued_mb": queued / 2**20,
+            "waited_for_disk": waited,
         }
-        known = sum(row[k] for k in ("lookup", "assemble", "drafter", "prefill", "first_round"))
+        known = sum(row[k] for k in ("lookup", "assemble", "drafter", "prefill", "keep", "first_round"))
         row["other"] = max(0.0, st.ttft_s - known)
         row["total"] = (t3 - t0) - row["template"] + st.ttft_s  # the template is timed twice above
         if args.json:
@@ -157,6 +176,10 @@ def main() -> int:
     print("\n" + head)
     for stage in (*STAGES, "release", "total"):
         print(f"{stage:<12}" + "".join(f"{r[stage] * 1000:>10.1f}" for r in rows))
+    if cache_dir is not None:
+        print(f"{'queued MB':<12}" + "".join(f"{r['queued_mb']:>10.0f}" for r in rows))
+        if args.wait_for_disk:
+            print(f"{'waited (ms)':<12}" + "".join(f"{r['waited_for_disk'] * 1000:>10.1f}" for r in rows))
     warm = [r for r in rows[1:] if r["turn"] != "restart"]
     if warm:
         not_compute = [r["total"] - r["prefill"] - r["first_round"] for r in warm]
