@@ -470,6 +470,7 @@ class Engine:
     def _turn(self) -> None:
         """Queued jobs started up to max_batch, then the running jobs stepped in turn."""
         self._admit()
+        self._hold_disk_writes()
         # One prefill at a time, oldest first (the others' time to first token would all
         # grow if they took turns), interleaved with every decoding job's rounds. A job just
         # started takes its first step at once (its cached prefix is known after it).
@@ -493,6 +494,13 @@ class Engine:
                 if self.ranks.split:  # ...unless split: the other ranks may not have failed
                     raise
                 logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
+        self._hold_disk_writes()
+
+    def _hold_disk_writes(self) -> None:
+        """The disk tier's writers wait while a running request waits for its first token: its
+        time to first token is what an agent's turn waits on, the writes can come after."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.hold_writes(any(s.stats.rounds == 0 for s in self._running))
 
     def _join_batch(self, forwarding: list[Sequence]) -> None:
         """The batch rows for this turn's verify forwards: once two or more with the same taps

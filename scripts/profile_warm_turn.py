@@ -171,7 +171,7 @@ def main() -> int:
               f"{st.prompt_tokens - st.cached_tokens} new: {row['total'] * 1000:.0f} ms to first token", flush=True)
         return row
 
-    opts = dict(context_window=args.context_window, prefix_cache_dir=cache_dir)
+    opts = dict(context_window=args.context_window, prefix_cache_dir=cache_dir, long_lived=True)  # as serve runs it
     with Engine(args.model, **opts) as engine:
         rows = [turn(engine, str(i), line) for i, line in enumerate(lines, 1)]
     if args.restart:  # closed above: its segments are on disk, as after a SIGTERM

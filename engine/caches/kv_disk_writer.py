@@ -10,6 +10,12 @@ final name or is not there.
 A process killed at any moment loses only what was still queued; a torn temp file is
 never read (kv_disk skips it, and any file whose digest does not match).
 
+The engine holds the writers while a request waits for its first token (`DiskWriter.hold`):
+they pause between pieces of a file, for at most HOLD_MAX_S, so that a turn's time to first
+token does not pay for the previous turn's writes. On MLX CUDA a segment's host bytes live in
+unified memory, and reading them faults its pages over from the GPU while the turn's forwards
+run there.
+
 The queue is bounded (bytes) and coalesced (one entry per file name: the same segment
 queued twice is written once). When full, new files are refused (they stay in RAM and
 are offered again on eviction or close). The first write that fails (full disk, read-only
@@ -25,11 +31,12 @@ import logging
 import os
 import struct
 import threading
+import time
 import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -38,6 +45,8 @@ from engine.base.files import fsync_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+HOLD_MAX_S = 2.0  # a hold longer than this lets the writers go on (a long prefill still writes ahead)
+PIECE_BYTES = 4 << 20  # the writers look at the hold between pieces of this size
 
 
 def default_writer_threads() -> int:
@@ -117,7 +126,7 @@ def digest_of(chunk_crcs: list[int], size: int) -> str:
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def write_atomic(folder: Path, name: str, parts: list, suffix: str) -> tuple[Path, str, int]:
+def write_atomic(folder: Path, name: str, parts: Iterable, suffix: str) -> tuple[Path, str, int]:
     """Write parts to <folder>/<name>_<digest><suffix> durably; returns (path, digest, size)."""
     tmp = folder / f".tmp-{uuid.uuid4().hex}{suffix}"
     h = FileDigest()
@@ -154,6 +163,8 @@ class DiskWriter:
         self.written = self.refused = 0
         self._cv = threading.Condition()
         self._stop = False
+        self._held_since: float | None = None  # when the engine's hold began (None: not held)
+        self._flushing = 0  # callers waiting in flush: the writers ignore the hold for them
         for i in range(threads or default_writer_threads()):
             threading.Thread(target=self._run, name=f"mlx-dspark-kv-writer-{i}", daemon=True).start()
 
@@ -173,10 +184,29 @@ class DiskWriter:
             self._cv.notify_all()
         return True
 
+    def hold(self, held: bool) -> None:
+        """Pause the writers between pieces while `held` (at most HOLD_MAX_S from the hold's start:
+        steady traffic never starves them); a flush or close goes ahead regardless."""
+        with self._cv:
+            if not held:
+                self._held_since = None
+                self._cv.notify_all()
+            elif self._held_since is None:
+                self._held_since = time.monotonic()
+
+    @property
+    def held(self) -> bool:
+        return self._held_since is not None
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued is written (or writing is off); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: not (self.pending or self.busy) or self.failed is not None, timeout)
+            self._flushing += 1
+            self._cv.notify_all()
+            try:
+                return self._cv.wait_for(lambda: not (self.pending or self.busy) or self.failed is not None, timeout)
+            finally:
+                self._flushing -= 1
 
     def close(self, timeout: float | None = 60.0) -> bool:
         done = self.flush(timeout)
@@ -195,8 +225,8 @@ class DiskWriter:
                 self.pending_bytes -= job.nbytes
                 self.busy += 1
             try:
-                path, digest, size = write_atomic(self.folder, job.name, safetensors_parts(job.tensors, job.metadata),
-                                                  self.suffix)
+                parts = self._paced(safetensors_parts(job.tensors, job.metadata))
+                path, digest, size = write_atomic(self.folder, job.name, parts, self.suffix)
                 job.on_written(path, digest, size)
                 ok = True
             except Exception as err:  # a full disk, a read-only folder, a size limit: serving goes on
@@ -207,6 +237,22 @@ class DiskWriter:
                 if ok:
                     self.written += 1
                 self._cv.notify_all()
+
+    def _paced(self, parts: list) -> Iterator[memoryview]:
+        """A file's bytes in pieces of at most PIECE_BYTES, each given once the hold allows."""
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for at in range(0, max(view.nbytes, 1), PIECE_BYTES):
+                self._wait_while_held()
+                yield view[at : at + PIECE_BYTES]
+
+    def _wait_while_held(self) -> None:
+        with self._cv:
+            while self._held_since is not None and not (self._flushing or self._stop):
+                left = self._held_since + HOLD_MAX_S - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(left)
 
     def _turn_off(self, err: Exception) -> None:
         with self._cv:

@@ -206,9 +206,10 @@ class PrefixCache:
 
     def write_ahead(self, tokens: list[int], cache: list) -> None:
         """A long prompt's first `tokens` are computed (the cache holds exactly them): where they
-        can be kept as segments, the disk tier starts writing them now, so a crash during the
-        prefill, or right after it, loses only its last part (segments only: a checkpoint of
-        recurrent state mid-prompt would cost a copy of it each time)."""
+        can be kept as segments, the disk tier queues them now, so a crash during a long prefill,
+        or right after it, loses only its last part (the writers, held while the request waits for
+        its first token, go on after HOLD_MAX_S of it; segments only: a checkpoint of recurrent
+        state mid-prompt would cost a copy of it each time)."""
 
     @_locked
     def close(self) -> None:
@@ -224,6 +225,12 @@ class PrefixCache:
         """The engine's measured prefill (tokens computed in seconds): what reading from disk must beat."""
         if self.disk is not None:
             self.disk.note_prefill(tokens, seconds)
+
+    def hold_writes(self, held: bool) -> None:
+        """The engine's signal that a request waits for its first token: the disk tier's writers
+        pause meanwhile (kv_disk_writer.DiskWriter.hold)."""
+        if self.disk is not None:
+            self.disk.writer.hold(held)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every segment queued for the disk tier is written (any thread)."""
