@@ -594,6 +594,7 @@ class Engine:
             elif kind == "pause":
                 (paused,) = rest
                 if paused and self.prefix_cache is not None:
+                    self.prefix_cache.hold_writes(False)  # nothing will lift it while it is put away
                     self._paused_cache, self.prefix_cache = self.prefix_cache, None
                 elif not paused and self._paused_cache is not None:
                     self.prefix_cache, self._paused_cache = self._paused_cache, None
@@ -925,6 +926,7 @@ class Engine:
             del seq.committed[len(seq.committed) - (len(rnd.tokens) - used) :]
         if stats.rounds == 1:
             stats.ttft_s = time.perf_counter() - seq.t0
+            self._hold_disk_writes()  # its first token is out: the writes may go on before its next round
         job.generated = len(out)
         if new_ids or text:
             job.emit(Tokens(new_ids, text, provenance, rnd.drafted))

@@ -46,21 +46,24 @@ def long_hold(monkeypatch):
 
 
 def test_a_held_writer_writes_nothing_until_the_hold_lifts(tmp_path, long_hold):
-    held, free = tmp_path / "held", tmp_path / "free"
-    held.mkdir(), free.mkdir()
-    writer, reference = DiskWriter(held, ".safetensors", threads=2), DiskWriter(free, ".safetensors", threads=1)
-    written: list = []
+    held, plain = tmp_path / "held", tmp_path / "plain"
+    held.mkdir(), plain.mkdir()
+    writer, written = DiskWriter(held, ".safetensors", threads=2), []
+    jobs = [job("a", written), job("bb", written)]
     writer.hold(True)
     assert writer.held
-    assert writer.submit(job("a", written)) and writer.submit(job("bb", written))
-    time.sleep(0.5)
-    assert not written and not finals(held)  # each writer waits at its file's first piece
+    assert all(writer.submit(j) for j in jobs)
+    temps = lambda: [p for p in held.iterdir() if p.name.startswith(".tmp-")]  # noqa: E731
+    assert wait_for(lambda: len(temps()) == 2, 30)  # each writer has opened its file...
+    time.sleep(0.2)
+    assert all(p.stat().st_size == 0 for p in temps()) and not written and not finals(held)  # ...and waits
     writer.hold(False)
     assert not writer.held
     assert wait_for(lambda: len(written) == 2, 30)
-    assert reference.submit(job("a", [])) and reference.submit(job("bb", [])) and reference.flush(30)
-    assert [p.read_bytes() for p in finals(held)] == [p.read_bytes() for p in finals(free)]
-    writer.close(), reference.close()
+    for j in jobs:  # the same files, names (their digests) included, as written without pieces or a hold
+        kv_disk_writer.write_atomic(plain, j.name, kv_disk_writer.safetensors_parts(j.tensors, j.metadata), ".safetensors")
+    assert [(p.name, p.read_bytes()) for p in finals(held)] == [(p.name, p.read_bytes()) for p in finals(plain)]
+    writer.close()
 
 
 def test_a_flush_goes_through_a_hold(tmp_path, long_hold):
@@ -78,15 +81,31 @@ def test_a_hold_lasts_at_most_hold_max_s(tmp_path, monkeypatch):
     writer.hold(True)
     start = time.monotonic()
     writer.submit(job("a", written))
-    assert wait_for(lambda: bool(written), 30)  # steady traffic never starves the writers
+    assert wait_for(lambda: bool(written), 30)
     assert time.monotonic() - start >= 0.3
     assert writer.held
     writer.close()
 
 
+def test_steady_traffic_does_not_starve_the_writers(tmp_path, monkeypatch):
+    """One request admitted as the last one ends: holds back to back, each shorter than the
+    limit. Held less than HOLD_GAP_S apart, they count as one, and the writers go on."""
+    monkeypatch.setattr(kv_disk_writer, "HOLD_MAX_S", 0.3)
+    writer, written = DiskWriter(tmp_path, ".safetensors", threads=1), []
+    writer.hold(True)
+    writer.submit(job("a", written))
+    deadline = time.monotonic() + 20
+    while not written and time.monotonic() < deadline:
+        time.sleep(0.2)  # a request's prefill, shorter than HOLD_MAX_S
+        writer.hold(False)  # its first token; the next request at once
+        writer.hold(True)
+    assert written
+    writer.close()
+
+
 def test_the_engine_holds_the_writers_until_the_first_token(tiny_model_dir, tmp_path, long_hold, monkeypatch):
-    """Held during the prefill and its first round, for a cold and a warm turn; lifted once the
-    first token is out, so the turn's files are written while it decodes or after it."""
+    """Held during the prefill and its first round, for a cold and a warm turn; lifted as the
+    first token goes out, so the turn's files are written while it decodes or after it."""
     import engine.engine as engine_mod
 
     seen: list[bool] = []
@@ -102,9 +121,11 @@ def test_the_engine_holds_the_writers_until_the_first_token(tiny_model_dir, tmp_
         first = rand_tokens(300, 3)
         for prompt in (first, first + rand_tokens(40, 4)):
             job = engine.submit(GenerationRequest(prompt_ids=prompt, max_tokens=12))
-            firsts = [seen[:] for event in job if isinstance(event, Tokens)][:1]
-            assert firsts and firsts[0] and all(firsts[0]), "the writers ran beside a prefill"
+            at_first_token = [(seen[:], writer_of(engine).held) for event in job if isinstance(event, Tokens)][:1]
+            assert at_first_token, "no tokens"
+            during_prefill, held_after = at_first_token[0]
+            assert during_prefill and all(during_prefill), "the writers ran beside a prefill"
+            assert not held_after, "the hold outlasted the first token"
             seen.clear()
-            assert wait_for(lambda: not writer_of(engine).held, 10)
         assert engine.flush_disk(30)
         assert engine.cache_stats()["disk_writes"] >= 1

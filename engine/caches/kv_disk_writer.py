@@ -12,7 +12,7 @@ never read (kv_disk skips it, and any file whose digest does not match).
 
 The engine holds the writers while a request waits for its first token (`DiskWriter.hold`):
 they pause between pieces of a file, for at most HOLD_MAX_S, so that a turn's time to first
-token does not pay for the previous turn's writes. On MLX CUDA a segment's host bytes live in
+token mostly does not pay for the previous turn's writes. On MLX CUDA a segment's host bytes live in
 unified memory, and reading them faults its pages over from the GPU while the turn's forwards
 run there.
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 HOLD_MAX_S = 2.0  # a hold longer than this lets the writers go on (a long prefill still writes ahead)
+HOLD_GAP_S = 0.1  # a hold that comes back sooner after its lift goes on with the lifted one's clock
 PIECE_BYTES = 4 << 20  # the writers look at the hold between pieces of this size
 
 
@@ -164,6 +165,7 @@ class DiskWriter:
         self._cv = threading.Condition()
         self._stop = False
         self._held_since: float | None = None  # when the engine's hold began (None: not held)
+        self._last_hold = (0.0, float("-inf"))  # (start, lift) of the last hold lifted
         self._flushing = 0  # callers waiting in flush: the writers ignore the hold for them
         for i in range(threads or default_writer_threads()):
             threading.Thread(target=self._run, name=f"mlx-dspark-kv-writer-{i}", daemon=True).start()
@@ -185,14 +187,19 @@ class DiskWriter:
         return True
 
     def hold(self, held: bool) -> None:
-        """Pause the writers between pieces while `held` (at most HOLD_MAX_S from the hold's start:
-        steady traffic never starves them); a flush or close goes ahead regardless."""
+        """Pause the writers between pieces while `held`, for at most HOLD_MAX_S; a flush or close
+        goes ahead regardless. Holds less than HOLD_GAP_S apart count as one: under steady traffic
+        (one request admitted as the last one ends) the writers still go on after HOLD_MAX_S."""
         with self._cv:
+            now = time.monotonic()
             if not held:
-                self._held_since = None
-                self._cv.notify_all()
+                if self._held_since is not None:
+                    self._last_hold = (self._held_since, now)
+                    self._held_since = None
+                    self._cv.notify_all()
             elif self._held_since is None:
-                self._held_since = time.monotonic()
+                start, lifted = self._last_hold
+                self._held_since = start if now - lifted < HOLD_GAP_S else now
 
     @property
     def held(self) -> bool:
