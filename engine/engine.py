@@ -470,7 +470,6 @@ class Engine:
     def _turn(self) -> None:
         """Queued jobs started up to max_batch, then the running jobs stepped in turn."""
         self._admit()
-        self._hold_disk_writes()
         # One prefill at a time, oldest first (the others' time to first token would all
         # grow if they took turns), interleaved with every decoding job's rounds. A job just
         # started takes its first step at once (its cached prefix is known after it).
@@ -494,11 +493,11 @@ class Engine:
                 if self.ranks.split:  # ...unless split: the other ranks may not have failed
                     raise
                 logging.getLogger(__name__).error("batched verify failed: %s: %s", type(e).__name__, e)
-        self._hold_disk_writes()
 
     def _hold_disk_writes(self) -> None:
         """The disk tier's writers wait while a running request waits for its first token: its
-        time to first token is what an agent's turn waits on, the writes can come after."""
+        time to first token is what an agent's turn waits on, the writes can come after. Set where
+        that changes: a job admitted, its first token out, a job leaving (not every turn)."""
         if self.prefix_cache is not None:
             self.prefix_cache.hold_writes(any(s.stats.rounds == 0 for s in self._running))
 
@@ -657,10 +656,13 @@ class Engine:
                 self._waiting.remove(seq)
                 seq.job.phase = "done"
                 seq.job.emit(CancelledError("cancelled before it started"))
-            for seq in [s for s in self._waiting if not s.held][: self.max_batch - len(self._running)]:
+            admitted = [s for s in self._waiting if not s.held][: self.max_batch - len(self._running)]
+            for seq in admitted:
                 self._waiting.remove(seq)
                 seq.steps = self._phases(seq)
                 self._running.append(seq)
+        if admitted:
+            self._hold_disk_writes()
 
     def _step(self, seq: Sequence) -> None:
         """One step of a running job; at its end (its Done or an error) it leaves the running."""
@@ -682,6 +684,7 @@ class Engine:
             self._batch.drop(job)  # its batch row, where it ended without leaving (an error)
             with self._lock:
                 self._running.remove(seq)
+            self._hold_disk_writes()
             job.emit(finished)
 
     def _decoding(self) -> int:
@@ -711,6 +714,7 @@ class Engine:
             self._waiting.clear()
             self._arriving.clear()
             self._batch = BatchCache()
+        self._hold_disk_writes()
         for job in jobs:
             job.emit(error)
 
