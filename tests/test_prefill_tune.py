@@ -9,6 +9,7 @@ import sys
 
 from engine import Engine
 from engine.tuning import prefill_chunk as pc
+from engine.tuning import prefill_estimate as pe
 from engine.tuning.prefill_estimate import matmul_params, predict_prefill, prefill_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +66,17 @@ def test_prediction_from_two_chunks_is_near_the_full_run(target):
     assert 0.2 < predicted / full < 5  # a loaded machine: the order, not the digits
 
 
+def test_matmul_rate_is_timed_in_the_models_dtype(target, monkeypatch):
+    """The estimate's rate is MLX's matmul in the dtype the model computes in (a GPU's float32
+    1024^3 product runs far under its bf16 prefill); a CPU times its float32 product at 1024."""
+    rates = pe.blas_rates("float16", repeats=1)
+    assert rates["mlx_dtype"] == "float16" and rates["mlx_n"] == pe.CPU_MATMUL_N and rates["mlx_gflops"] > 0
+    asked = []
+    monkeypatch.setattr(pe, "blas_rates", lambda dtype: asked.append(dtype) or {**rates, "mlx_dtype": dtype})
+    report = pe.prefill_report(target, sizes=(64,), chunk=32)
+    assert asked == [target.dtype] and report["mlx_dtype"] == target.dtype
+
+
 def test_doctor_prints_estimate_beside_measured(tiny_model_dir, cache_home):
     env = {**os.environ, "MLX_DSPARK_CACHE_DIR": str(cache_home)}
     r = subprocess.run([sys.executable, "-m", "agent_bridge", "doctor", "--model", str(tiny_model_dir),
@@ -75,6 +87,9 @@ def test_doctor_prints_estimate_beside_measured(tiny_model_dir, cache_home):
     assert set(rows) == {1024, 8192, 32768}
     assert rows[1024]["measured_s"] > 0 and rows[1024]["estimate_s"] > 0
     assert "measured_s" not in rows[32768] and rows[32768]["predicted_s"] > rows[8192]["predicted_s"]
+    text = subprocess.run([sys.executable, "-m", "agent_bridge", "doctor", "--model", str(tiny_model_dir),
+                           "--no-roofline"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert text.returncode == 0 and "MLX's float32 at 1024x1024x1024" in text.stdout, text.stderr
     bad = subprocess.run([sys.executable, "-m", "agent_bridge", "doctor", "--prefill-tokens", "x"],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

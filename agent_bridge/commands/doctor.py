@@ -109,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
         print()
         print("\n".join(surface_lines(surface)))
     if prefill:
-        print(f"\ncold prefill, {prefill['chunk']}-token chunks; float32 matmul: numpy's BLAS "
-              f"{prefill['numpy_gflops']} GFLOP/s, MLX's {prefill['mlx_gflops']} GFLOP/s (measured now)")
+        n = prefill["mlx_n"]
+        print(f"\ncold prefill, {prefill['chunk']}-token chunks; matmul: numpy's float32 BLAS "
+              f"{prefill['numpy_gflops']} GFLOP/s, MLX's {prefill['mlx_dtype']} at {n}x{n}x{n} "
+              f"{prefill['mlx_gflops']} GFLOP/s (measured now)")
         for row in prefill["sizes"]:
             parts = [f"estimate {row['estimate_s']} s at the faster rate ({row['gflop']} GFLOP, "
                      f"{row['attention_gflop']} of it attention)"]

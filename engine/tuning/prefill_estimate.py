@@ -1,12 +1,17 @@
 """How long a cold prefill of N tokens should take here, and how long it does (for `doctor`).
 
-The estimate is the FLOPs a prefill needs at this machine's BLAS rate: the weights' matmuls
+The estimate is the FLOPs a prefill needs at this machine's best matmul rate: the weights' matmuls
 (2 x matmul parameters a token, without the output head: a prefill reads no logits) plus
 causal attention (2 x (key + value size) x query heads x N(N+1)/2 per layer), where the last
 layer's attention and what follows it are left out when they feed no cache, as MLX (and
 plain mlx-lm) never compute them. The measurement is a cold prefill in full, or, where that would take too
 long, a prediction from two timed chunks: the first, and one at the last chunk's depth
 over a cache filled with random keys and values (a chunk's cost is linear in its depth).
+
+The rate is a square matmul's, timed now: float32 at 1024 on a CPU (the engine computes in
+float32 there), and on a GPU in the model's own dtype at the sizes where a GPU reaches its
+peak. A GPU's float32 1024^3 product ran far under that (an H100's bf16 prefill passed 500
+TFLOP/s), which made the estimate an hours-long bound every prefill beat, not a bound at all.
 """
 
 from __future__ import annotations
@@ -79,26 +84,39 @@ def prefill_flops(target, tokens: int, calls=None) -> dict:
     return {"weights": weights, "attention": attention, "total": weights + attention}
 
 
-def blas_rates(n: int = 1024, repeats: int = 3) -> dict:
-    """float32 GFLOP/s of an n x n x n matmul: numpy's BLAS (the machine's) and MLX's."""
+CPU_MATMUL_N = 1024
+GPU_MATMUL_NS = (2048, 4096, 8192)  # a GPU's peak takes a large product; the best of these
+
+
+def _best_gflops(fn, n: int, repeats: int) -> float:
+    fn()
+    t = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - t0)
+    return 2.0 * n**3 / t / 1e9
+
+
+def blas_rates(dtype: str = "float32", repeats: int = 3) -> dict:
+    """GFLOP/s of a square matmul: numpy's float32 BLAS at 1024 (the CPU's), and MLX's on its
+    device, in `dtype` (the model's compute dtype) at the best of GPU_MATMUL_NS on a GPU, at 1024
+    on a CPU."""
     import mlx.core as mx
     import numpy as np
 
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    am = mx.array(a)
-    mx.eval(am)
-
-    def best(fn):
-        fn()
-        t = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            t = min(t, time.perf_counter() - t0)
-        return 2.0 * n**3 / t / 1e9
-
-    return {"numpy_gflops": round(best(lambda: a @ a), 1),
-            "mlx_gflops": round(best(lambda: mx.eval(am @ am)), 1)}
+    a = np.random.default_rng(0).standard_normal((CPU_MATMUL_N, CPU_MATMUL_N), dtype=np.float32)
+    numpy_gflops = _best_gflops(lambda: a @ a, CPU_MATMUL_N, repeats)
+    sizes = GPU_MATMUL_NS if mx.default_device().type == mx.gpu else (CPU_MATMUL_N,)
+    mlx_gflops, mlx_n = 0.0, sizes[0]
+    for n in sizes:
+        am = mx.random.normal((n, n)).astype(getattr(mx, dtype))
+        mx.eval(am)
+        rate = _best_gflops(lambda: mx.eval(am @ am), n, repeats)
+        if rate > mlx_gflops:
+            mlx_gflops, mlx_n = rate, n
+    return {"numpy_gflops": round(numpy_gflops, 1), "mlx_gflops": round(mlx_gflops, 1),
+            "mlx_dtype": dtype, "mlx_n": mlx_n}
 
 
 def _fillable(cache, calls) -> bool:
@@ -145,8 +163,8 @@ def prefill_report(target, sizes=(8192, 32768), chunk: int = 1024, full=(), rate
     `full`, else predicted from two chunks)."""
     import numpy as np
 
-    rates = rates or blas_rates()
-    rate = max(rates["numpy_gflops"], rates["mlx_gflops"])  # the best BLAS this machine has
+    rates = rates or blas_rates(target.dtype)
+    rate = max(rates["numpy_gflops"], rates["mlx_gflops"])  # the best matmul this machine has
     calls = attention_calls(target)
     out = {"chunk": chunk, **rates, "sizes": []}
     for n in sizes:
