@@ -66,6 +66,20 @@ def test_prediction_from_two_chunks_is_near_the_full_run(target):
     assert 0.2 < predicted / full < 5  # a loaded machine: the order, not the digits
 
 
+def test_random_keys_of_a_prediction_are_in_the_models_dtype(tiny_model_dir):
+    """The prediction's random cache is the model's dtype: float32 keys under a bf16 model made its
+    attention a float32 one (off cuDNN on an H200: an 8k prefill predicted at 25x its estimate)."""
+    from engine.kernels.attention_crossover import attention_calls
+    from engine.model.target import load_target
+
+    import mlx.core as mx
+
+    bf16 = load_target(str(tiny_model_dir), dtype="bfloat16")
+    cache = pe.filled_cache(bf16, 40, attention_calls(bf16))
+    assert all(c.keys.dtype == mx.bfloat16 and c.values.dtype == mx.bfloat16 and c.offset == 40 for c in cache)
+    assert pe.predict_prefill(bf16, 96, 32) > 0
+
+
 def test_matmul_rate_is_timed_in_the_models_dtype(target, monkeypatch):
     """The estimate's rate is MLX's matmul in the dtype the model computes in (a GPU's float32
     1024^3 product runs far under its bf16 prefill); a CPU times its float32 product at 1024."""
