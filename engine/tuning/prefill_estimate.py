@@ -10,8 +10,8 @@ over a cache filled with random keys and values (a chunk's cost is linear in its
 
 The rate is a square matmul's, timed now: float32 at 1024 on a CPU (the engine computes in
 float32 there), and on a GPU in the model's own dtype at the sizes where a GPU reaches its
-peak. A GPU's float32 1024^3 product ran far under that (an H100's bf16 prefill passed 500
-TFLOP/s), which made the estimate an hours-long bound every prefill beat, not a bound at all.
+peak. A GPU's float32 product at 1024 runs far under its bf16 prefill (551 TFLOP/s on an H200),
+so timed that way the estimate was no bound there (docs/benchmarks.md, 2026-12-07).
 """
 
 from __future__ import annotations
