@@ -27,6 +27,7 @@ from engine.base.events import Done, Tokens
 from engine.base.loop_guard import DEGENERATE_SHARE, repeated_share
 from engine.base.platform import describe_platform, device_name
 from engine.base.sampling import SamplingParams
+from engine.bench.parting import describe as describe_parting, where_parted
 from engine.engine import GenerationRequest, engine_stream
 from engine.kernels.cpu_attention import disabled
 from engine.tuning.cost_curve import curve_for_requests
@@ -297,6 +298,10 @@ def _bench_decode(engine, content: Content, modes: list[str], max_draft, trials:
         m["speedup"] = round(m["tok_s"] / peer["tok_s"], 3) if peer["tok_s"] else None
         m["decode_speedup"] = round(m["decode_tok_s"] / peer["decode_tok_s"], 3) if peer["decode_tok_s"] else None
         m["identical"] = all(s.tokens == ref for s, ref in zip(runs[mode], reference))
+        if not m["identical"] and sampling.greedy:  # where, and whether the target itself was undecided there
+            ours, ref = next((s.tokens, ref) for s, ref in zip(runs[mode], reference) if s.tokens != ref)
+            progress(f"{content.name}: {mode} parted from mlx-lm; finding where")
+            m["parted"] = engine.call(where_parted, prompt, ref, ours)
         # Each trial's pair ran back to back: their ratio is less exposed to a busy machine's drift.
         m["paired_speedup"] = round(statistics.median(
             s.tok_s / p.tok_s for s, p in zip(runs[mode], runs["mlx-lm"]) if p.tok_s), 3)
@@ -394,7 +399,7 @@ def format_table(report: dict) -> str:
                          f"{peer['decode_tok_s']:.1f}", f"{peer['ttft_s']:.3f}", mode, f"{m['tok_s']:.1f}",
                          f"{m['decode_tok_s']:.1f}", f"{m['ttft_s']:.3f}", f"{m['speedup']:.2f}x",
                          f"{m['decode_speedup']:.2f}x", f"{m['tokens_per_forward']:.2f}",
-                         "yes" if m["identical"] else "NO",
+                         "yes" if m["identical"] else describe_parting(m.get("parted")),
                          f"{r['repeated_share']:.0%}" + (" degenerate" if r["degenerate"] else "")))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i in (0, 6, 13, 14) else c.rjust(w)
