@@ -170,8 +170,9 @@ def predict_prefill(target, tokens: int, chunk: int, calls=None, seed: int = 0) 
 
 
 def prefill_report(target, sizes=(8192, 32768), chunk: int = 1024, full=(), rates: dict | None = None) -> dict:
-    """For each size: FLOPs, the BLAS-rate estimate, and a measured time (in full for sizes in
-    `full`, else predicted from two chunks)."""
+    """For each size: FLOPs, the time they take at the machine's best measured matmul rate (numpy's,
+    or MLX's in the model's dtype), and a measured time (in full for sizes in `full`, else
+    predicted from two chunks)."""
     import numpy as np
 
     rates = rates or blas_rates(target.dtype)
