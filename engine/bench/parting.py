@@ -17,6 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from engine.base.sampling import SamplingParams
+from engine.caches.radix_tree import common_prefix
 from engine.engine import engine_stream
 from engine.kernels.cpu_attention import disabled
 
@@ -25,16 +27,13 @@ PREFILL_STEP = 2048  # mlx-lm's own prompt chunk (generate_step's prefill_step_s
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first index where a and b differ (one ending first counts), None where equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    return None if a == b else common_prefix(a, b)
 
 
 def loop_logprobs(target, prompt: list[int], step: int) -> mx.array:
     """mlx-lm's greedy loop over `prompt`: its log-probabilities at output step `step`."""
     steps = generate_step(mx.array(prompt, dtype=mx.uint32), target.model, max_tokens=step + 1,
-                          sampler=lambda lp: mx.argmax(lp, axis=-1), stream=engine_stream())
+                          sampler=SamplingParams().mlx_lm_sampler(), stream=engine_stream())
     try:
         with disabled():  # as the benchmark's peer: MLX's own attention
             for i, (_, logprobs) in enumerate(steps):
