@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gated_delta
 
+from engine.caches.state_capture import recording
 from engine.kernels import gated_delta_chunked
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 
@@ -48,6 +49,20 @@ def test_chunks_chain_like_one_pass():
     assert mx.allclose(sb, s, atol=1e-5)
 
 
+@pytest.mark.parametrize("T,chunk", [(11, 64), (150, 64), (40, 16)])
+def test_state_after_any_position_equals_the_step_loop(T, chunk):
+    """The closed-form state after j positions (a verify pass's capture) is the step loop's state
+    after those j, inside a chunk, on a chunk's last position and past it; after T, the last."""
+    q, k, v, g, beta, state = inputs(T, B=2, seed=T)
+    y, last, state_after = gated_delta_chunked.chunked_gated_delta_states(q, k, v, g, beta, state, chunk)
+    assert state_after(T) is last
+    for j in sorted({1, 2, chunk - 1, chunk, chunk + 1, T // 2, T - 1} & set(range(1, T))):
+        _, s_j = step_loop(q[:, :j], k[:, :j], v[:, :j], g[:, :j], beta[:, :j], state)
+        got = state_after(j)
+        assert got.shape == s_j.shape
+        assert mx.allclose(got, s_j, rtol=1e-4, atol=1e-5), (j, float(mx.abs(got - s_j).max()))
+
+
 def test_routing_keeps_decode_steps_and_masks_on_mlx_lm():
     calls = []
 
@@ -63,3 +78,10 @@ def test_routing_keeps_decode_steps_and_masks_on_mlx_lm():
     assert calls == [1, 8, 8]
     routed(q, k, v, g, beta, state)  # many positions, scalar gates: chunked
     assert calls == [1, 8, 8]
+    with recording() as tape:  # a verify pass whose states are recorded: chunked, the states on demand
+        _, last = routed(q, k, v, g, beta, state)
+    assert calls == [1, 8, 8] and tape.per_position_bytes == 0
+    [(kept_last, positions, state_after)] = tape.states.values()
+    assert kept_last is last and positions == 8
+    assert mx.allclose(state_after(3), step_loop(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], state)[1],
+                       rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@ import random
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import gated_delta
 
 from engine import Engine, SamplingParams
 from engine.tuning.cost_curve import (
@@ -37,6 +38,8 @@ from tiny_models import WINDOW, build_family_model, family_installed
 
 RECURRENT = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "lfm2", "lfm2_moe",
              "nemotron_h", "granitemoehybrid", "falcon_h1"]
+GATED_DELTA = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear"}
+SCALAR_GATES = GATED_DELTA - {"kimi_linear"}  # kimi's gates are per key dimension: it steps
 
 
 FAMILY_PARAMS = [pytest.param(f, marks=pytest.mark.skipif(not family_installed(f), reason=f"mlx-lm has no {f}"))
@@ -130,11 +133,38 @@ def test_bind_refuses_what_it_cannot_explain(models):
         assert nothing is None
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILY_PARAMS if f.values[0] in SCALAR_GATES])
+def test_closed_form_capture_restores_what_replay_restores(family, models):
+    """Gated DeltaNet recorded through the chunked form (no step loop): after a verify pass of
+    11 or 70 tokens (two chunks), keeping j of them, every layer's state equals what a replay
+    of the j tokens builds, to float32 rounding; nothing was kept per position."""
+    target = load_target(models(family))
+    context = list(range(5, 5 + WINDOW + 7))
+    for fed, kept_ones in [(list(range(60, 71)), (1, 4, 10)), (list(range(100, 170)), (1, 63, 64, 65, 69))]:
+        for kept in kept_ones:
+            captured_cache, replayed = target.make_cache(), target.make_cache()
+            for c in (captured_cache, replayed):
+                target.forward(context, c)
+                mx.eval([x.state for x in c])
+            a, b = mark(captured_cache), mark(replayed)
+            with recording() as tape:
+                target.forward(fed, captured_cache)
+            capture = bind(tape, captured_cache, len(fed))
+            assert isinstance(capture, Capture) and capture.per_position_bytes == 0, family
+            take_back(captured_cache, a, len(fed), kept, replay=None, captured=capture)
+            take_back(replayed, b, len(fed), kept, replay=lambda: target.forward(fed[:kept], replayed))
+            for x, y in zip(_slots(captured_cache), _slots(replayed)):
+                assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4), f"{family}: {len(fed)} fed, kept {kept}"
+            nxt = [9, 10, 11]
+            assert mx.allclose(target.forward(nxt, captured_cache), target.forward(nxt, replayed), atol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_capture_and_replay_decode_the_same(family, models, monkeypatch):
     """Both ways give mlx-lm's greedy tokens with drafts accepted in full and rejected at
-    several positions; replay runs more forwards (so each way really ran), and so does a
-    capture that would exceed its memory budget (it replays)."""
+    several positions; replay runs more forwards (so each way really ran). Over a memory budget
+    of one byte, with Gated DeltaNet stepping, the capture replays; layers that keep nothing
+    per position (Mamba 2's closed form, short convs) still capture."""
     with Engine(str(models(family)), prefix_cache=False) as engine:
         rng = random.Random(11)
         vocab = engine.target.vocab_size
@@ -151,6 +181,8 @@ def test_capture_and_replay_decode_the_same(family, models, monkeypatch):
             calls = [0]
             if mode == "over budget":
                 monkeypatch.setattr(state_capture, "CAPTURE_BYTES", 1)
+                routed = gated_delta.gated_delta_ops  # the chunked router over the step loop
+                monkeypatch.setattr(gated_delta, "gated_delta_ops", getattr(routed, "__wrapped__", routed))
 
             def counting(tokens, cache, calls=calls):
                 calls[0] += 1
@@ -167,7 +199,7 @@ def test_capture_and_replay_decode_the_same(family, models, monkeypatch):
                 engine.target.state_rollback = None
             forwards[mode] = calls[0]
         assert forwards["replay"] > forwards["capture"], forwards
-        assert forwards["over budget"] == forwards["replay"], forwards
+        assert forwards["over budget"] == forwards["replay" if family in GATED_DELTA else "capture"], forwards
 
 
 @pytest.mark.parametrize("family", ["nemotron_h"])
@@ -230,6 +262,26 @@ def test_roofline_reports_the_pick(models, cache_home):
     assert report["rollback"] == "capture"
     assert report["rollback_cost"] == {"capture": {"4": 1.2, "16": 2.0}, "replay": {"4": 2.0, "16": 5.0}}
     assert "rollback" not in roofline(target, CostCurve([1, 4], [64], [[0.01, 0.02]]), bandwidth=1e10)
+
+
+def test_a_pass_over_the_capture_budget_replays_and_the_curve_keeps_capture(models, monkeypatch):
+    """A layer that steps (kimi's per-key gates) keeps a state per position: a pass wider than the
+    budget allows stops capturing and replays, as the verify loop's round would, and the curve
+    still times capture (it is no model that can't be captured); a narrower pass captures."""
+    target = load_target(models("kimi_linear"))
+    cache = target.make_cache()
+    target.forward(list(range(3, 30)), cache)
+    with recording() as tape:
+        target.forward(list(range(40, 42)), cache)
+    per_position = tape.per_position_bytes
+    assert per_position > 0
+    monkeypatch.setattr(state_capture, "CAPTURE_BYTES", 4 * per_position)
+    for width, captured in ((4, True), (5, False)):
+        with recording() as tape:
+            target.forward(list(range(50, 50 + width)), cache)
+        assert (bind(tape, cache, width) is not None) == captured and tape.over_budget == (not captured)
+    curve = measure_cost_curve(target, widths=(1, 2, 4, 8), depths=(16,), repeats=1)
+    assert set(curve.rollback_seconds) == {"capture", "replay"}
 
 
 def test_a_model_that_cannot_be_captured_replays(models, monkeypatch):

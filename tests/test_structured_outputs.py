@@ -249,3 +249,4 @@ def test_a_retry_with_another_shape_is_another_request():
     assert len(keys) == 3
     assert request_key(None, as_int) == request_key(None, GenerationRequest(
         ids, max_tokens=8, constraint=Constraint.json_schema({"type": "integer"})))
+    assert request_key(None, GenerationRequest([1, 2, 4], max_tokens=8)) != request_key(None, free)  # another prompt

