@@ -68,6 +68,27 @@ def _slots(cache) -> list:
     return out
 
 
+def _recorded_beside_plain(target, context: list[int], fed: list[int]) -> tuple:
+    """Two caches holding `context`, each marked; `fed` run into the first with a recording.
+    Returns (captured cache, plain cache, their marks, the Capture or None, the recorded logits)."""
+    captured_cache, plain = target.make_cache(), target.make_cache()
+    for c in (captured_cache, plain):
+        target.forward(context, c)
+        mx.eval([x.state for x in c])
+    a, b = mark(captured_cache), mark(plain)
+    with recording() as tape:
+        logits = target.forward(fed, captured_cache)
+    return captured_cache, plain, a, b, bind(tape, captured_cache, len(fed)), logits
+
+
+def _assert_same_states(target, captured_cache, replayed, what: str) -> None:
+    """Every layer's slots equal (float32 rounding), and so does the next pass's output."""
+    for x, y in zip(_slots(captured_cache), _slots(replayed)):
+        assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4), what
+    nxt = [9, 10, 11]
+    assert mx.allclose(target.forward(nxt, captured_cache), target.forward(nxt, replayed), atol=1e-4), what
+
+
 @pytest.fixture
 def step_loop():
     """Gated DeltaNet one position at a time in every pass (a recorded pass always is), so the
@@ -86,14 +107,7 @@ def test_capture_restores_what_replay_restores(family, models, step_loop):
     assert needs_replay(target.make_cache())
     context, fed = list(range(5, 5 + WINDOW + 7)), list(range(60, 71))
     for kept, then in [(j, None) for j in range(1, len(fed))] + [(7, 3), (10, 1)]:
-        captured_cache, replayed = target.make_cache(), target.make_cache()
-        for c in (captured_cache, replayed):
-            target.forward(context, c)
-            mx.eval([x.state for x in c])
-        a, b = mark(captured_cache), mark(replayed)
-        with recording() as tape:
-            logits = target.forward(fed, captured_cache)
-        capture = bind(tape, captured_cache, len(fed))
+        captured_cache, replayed, a, b, capture, logits = _recorded_beside_plain(target, context, fed)
         assert isinstance(capture, Capture), f"{family}: the verify pass could not be captured"
         assert mx.array_equal(logits, target.forward(fed, replayed)), "recording changed the verify pass"
         take_back(captured_cache, a, len(fed), kept, replay=None, captured=capture)
@@ -101,10 +115,7 @@ def test_capture_restores_what_replay_restores(family, models, step_loop):
         if then is not None:
             take_back(captured_cache, a, kept, then, replay=None, captured=capture)
             take_back(replayed, b, kept, then, replay=lambda: target.forward(fed[:then], replayed))
-        for x, y in zip(_slots(captured_cache), _slots(replayed)):
-            assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4), f"{family} kept {kept} then {then}"
-        nxt = [9, 10, 11]
-        assert mx.allclose(target.forward(nxt, captured_cache), target.forward(nxt, replayed), atol=1e-4)
+        _assert_same_states(target, captured_cache, replayed, f"{family} kept {kept} then {then}")
 
 
 def test_bind_refuses_what_it_cannot_explain(models):
@@ -142,21 +153,11 @@ def test_closed_form_capture_restores_what_replay_restores(family, models):
     context = list(range(5, 5 + WINDOW + 7))
     for fed, kept_ones in [(list(range(60, 71)), (1, 4, 10)), (list(range(100, 170)), (1, 63, 64, 65, 69))]:
         for kept in kept_ones:
-            captured_cache, replayed = target.make_cache(), target.make_cache()
-            for c in (captured_cache, replayed):
-                target.forward(context, c)
-                mx.eval([x.state for x in c])
-            a, b = mark(captured_cache), mark(replayed)
-            with recording() as tape:
-                target.forward(fed, captured_cache)
-            capture = bind(tape, captured_cache, len(fed))
+            captured_cache, replayed, a, b, capture, _ = _recorded_beside_plain(target, context, fed)
             assert isinstance(capture, Capture) and capture.per_position_bytes == 0, family
             take_back(captured_cache, a, len(fed), kept, replay=None, captured=capture)
             take_back(replayed, b, len(fed), kept, replay=lambda: target.forward(fed[:kept], replayed))
-            for x, y in zip(_slots(captured_cache), _slots(replayed)):
-                assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4), f"{family}: {len(fed)} fed, kept {kept}"
-            nxt = [9, 10, 11]
-            assert mx.allclose(target.forward(nxt, captured_cache), target.forward(nxt, replayed), atol=1e-4)
+            _assert_same_states(target, captured_cache, replayed, f"{family}: {len(fed)} fed, kept {kept}")
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)

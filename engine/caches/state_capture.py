@@ -40,11 +40,15 @@ CAPTURE_BYTES = 1 << 30
 UNBOUNDED = 1 << 30  # the widest capture where no layer keeps a state per position (an int32: ranks gather it)
 
 
-def widest_capture(cache: list, budget: int | None = None) -> int:
-    """The widest pass over this cache whose capture stays within the budget if every
-    recurrent layer stepped (a recorded pass's `Capture.widest` knows which did)."""
-    held = kept_bytes([c for c in leaves(cache) if holds_state(c)])
-    return (CAPTURE_BYTES if budget is None else budget) // max(1, held)
+def widest_for(per_position_bytes: int) -> int:
+    """The widest pass whose capture stays within CAPTURE_BYTES at this many bytes a position."""
+    return CAPTURE_BYTES // per_position_bytes if per_position_bytes else UNBOUNDED
+
+
+def widest_capture(cache: list) -> int:
+    """The widest capture over this cache if every recurrent layer stepped (a recorded pass's
+    `Capture.widest` knows which did)."""
+    return widest_for(kept_bytes([c for c in leaves(cache) if holds_state(c)]))
 
 
 class Tape:
@@ -83,11 +87,9 @@ class Capture:
         self._per_leaf = per_leaf  # id(ArraysCache) -> per slot: ("state", state_after) | ("conv", x, n_keep)
         self.per_position_bytes = per_position_bytes
 
-    def widest(self, budget: int | None = None) -> int:
-        """The widest pass whose capture stays within the budget, by what this one kept."""
-        if not self.per_position_bytes:
-            return UNBOUNDED
-        return (CAPTURE_BYTES if budget is None else budget) // self.per_position_bytes
+    def widest(self) -> int:
+        """The widest capture, by what this one kept a position."""
+        return widest_for(self.per_position_bytes)
 
     def slots_after(self, leaf, kept: int) -> list:
         """The leaf's cache slots after the first `kept` (>= 1) positions of the pass."""
