@@ -77,5 +77,30 @@ def test_benchmark_reports_where_a_mode_parted(tiny_engine, cache_home, monkeypa
     result = benchmark.bench_decode(tiny_engine, content, ["lookup"], 4, 1, SamplingParams(), lambda msg: None)
     m = result["modes"]["lookup"]
     assert not m["identical"] and m["parted"]["at"] == 3
+    assert m["parted"]["shared_speedup"] > 0  # the speed ratio over the 3 tokens both wrote
     table = benchmark.format_table({"contents": {"chat": result}})
-    assert "NO: parted at 3, " in table
+    assert "NO: parted at 3, " in table and "x over the 3 tokens both wrote" in table
+
+
+def test_runs_mark_when_their_tokens_came(tiny_engine):
+    """Both sides record, as tokens come, how many so far and when: counts rise to the output's
+    length, times rise to the run's end."""
+    content = build_content(tiny_engine, "chat")
+    runs = [tiny_engine.call(plain_mlx_lm, content.prompts[0], 12, SamplingParams()),
+            benchmark.engine_run(tiny_engine, content.prompts[0], 12, SamplingParams(), "lookup", 4)]
+    for s in runs:
+        counts, times = zip(*s.marks)
+        assert list(counts) == sorted(set(counts)) and counts[-1] == len(s.tokens)
+        assert list(times) == sorted(times) and 0 < times[0] and times[-1] <= s.seconds
+        assert s.seconds_to(1) == times[0] and s.seconds_to(len(s.tokens)) == times[-1]
+
+
+def test_shared_speedup_compares_the_time_to_the_same_tokens():
+    """Ours had its first 4 tokens after 0.5 s (one round of 5), the peer after 2.0 s (a token each
+    0.5 s): 4x over those 4, whatever either side wrote after them."""
+    ours = benchmark.Sample(list(range(9)), 3.0, 0.2, 0.0, 5.0, marks=[(1, 0.2), (6, 0.5), (9, 3.0)])
+    peer = benchmark.Sample(list(range(5)), 2.5, 0.5, 0.0, 1.0, marks=[(i, 0.5 * i) for i in range(1, 6)])
+    assert ours.seconds_to(4) == 0.5 and peer.seconds_to(4) == 2.0 and ours.seconds_to(20) == 3.0
+    assert benchmark.shared_speedup(ours, peer, 4) == 4.0
+    assert benchmark.shared_speedup(ours, peer, 1) == 2.5
+    assert benchmark.shared_speedup(ours, peer, 0) is None

@@ -59,10 +59,22 @@ class Sample:
     tokens_per_forward: float
     cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    marks: list[tuple[int, float]] = field(default_factory=list)  # (tokens so far, seconds since submit), as they came
 
     @property
     def tok_s(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    def seconds_to(self, n: int) -> float:
+        """Seconds from submit until the first n tokens had come."""
+        return next((t for count, t in self.marks if count >= n), self.seconds)
+
+
+def shared_speedup(ours: Sample, peer: Sample, n: int) -> float | None:
+    """How much sooner ours had the first n tokens than the peer: where two outputs part at n, the
+    speed ratio over the text both wrote, the same work on both sides (None for n = 0)."""
+    ours_s, peer_s = ours.seconds_to(n), peer.seconds_to(n)
+    return round(peer_s / ours_s, 3) if n > 0 and ours_s > 0 else None
 
 
 # -- contents --------------------------------------------------------------------------
@@ -174,6 +186,7 @@ def plain_mlx_lm(target, prompt: list[int], max_tokens: int, sampling: SamplingP
         mx.random.seed(sampling.seed)
     eos = target.eos_token_ids
     out: list[int] = []
+    marks: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     t_first = None
 
@@ -190,6 +203,7 @@ def plain_mlx_lm(target, prompt: list[int], max_tokens: int, sampling: SamplingP
                 if token in eos:
                     break
                 out.append(token)
+                marks.append((len(out), time.perf_counter() - t0))
                 if len(out) >= max_tokens:
                     break
     finally:
@@ -198,7 +212,7 @@ def plain_mlx_lm(target, prompt: list[int], max_tokens: int, sampling: SamplingP
     t_end = time.perf_counter()
     t_first = t_first or t_end
     rest = max(len(out) - 1, 0)
-    return Sample(out, t_end - t0, t_first - t0, rest / (t_end - t_first) if rest else 0.0, 1.0)
+    return Sample(out, t_end - t0, t_first - t0, rest / (t_end - t_first) if rest else 0.0, 1.0, marks=marks)
 
 
 def engine_run(engine, prompt: list[int], max_tokens: int, sampling: SamplingParams,
@@ -208,9 +222,13 @@ def engine_run(engine, prompt: list[int], max_tokens: int, sampling: SamplingPar
                                 max_draft=max_draft)
     t0 = time.perf_counter()
     t_first, n_first, done = None, 0, None
+    marks: list[tuple[int, float]] = []
     for event in engine.generate(request):
-        if isinstance(event, Tokens) and event.token_ids and t_first is None:
-            t_first, n_first = time.perf_counter(), len(event.token_ids)
+        if isinstance(event, Tokens) and event.token_ids:
+            now = time.perf_counter()
+            marks.append(((marks[-1][0] if marks else 0) + len(event.token_ids), now - t0))
+            if t_first is None:
+                t_first, n_first = now, len(event.token_ids)
         elif isinstance(event, Done):
             done = event
     t_end = time.perf_counter()
@@ -224,6 +242,7 @@ def engine_run(engine, prompt: list[int], max_tokens: int, sampling: SamplingPar
         extra={"rounds": s.rounds, "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
                "acceptance_rate": round(s.acceptance_rate, 4), "engine_ttft_s": round(s.ttft_s, 4),
                "note": s.note},
+        marks=marks,
     )
 
 
@@ -299,9 +318,12 @@ def _bench_decode(engine, content: Content, modes: list[str], max_draft, trials:
         m["decode_speedup"] = round(m["decode_tok_s"] / peer["decode_tok_s"], 3) if peer["decode_tok_s"] else None
         m["identical"] = all(s.tokens == ref for s, ref in zip(runs[mode], reference))
         if not m["identical"] and sampling.greedy:  # where, and whether the target itself was undecided there
-            ours, ref = next((s.tokens, ref) for s, ref in zip(runs[mode], reference) if s.tokens != ref)
+            ours, theirs = next((s, p) for s, p in zip(runs[mode], runs["mlx-lm"]) if s.tokens != p.tokens)
             progress(f"{content.name}: {mode} parted from mlx-lm; finding where")
-            m["parted"] = engine.call(where_parted, prompt, ref, ours)
+            parted = engine.call(where_parted, prompt, theirs.tokens, ours.tokens)
+            # past the parting the two sides write different texts: the ratio over what both wrote
+            parted["shared_speedup"] = shared_speedup(ours, theirs, parted["at"])
+            m["parted"] = parted
         # Each trial's pair ran back to back: their ratio is less exposed to a busy machine's drift.
         m["paired_speedup"] = round(statistics.median(
             s.tok_s / p.tok_s for s, p in zip(runs[mode], runs["mlx-lm"]) if p.tok_s), 3)
