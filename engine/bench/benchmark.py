@@ -221,23 +221,19 @@ def engine_run(engine, prompt: list[int], max_tokens: int, sampling: SamplingPar
     request = GenerationRequest(prompt, max_tokens=max_tokens, sampling=sampling, mode=mode,
                                 max_draft=max_draft)
     t0 = time.perf_counter()
-    t_first, n_first, done = None, 0, None
-    marks: list[tuple[int, float]] = []
+    done, count, marks = None, 0, []
     for event in engine.generate(request):
         if isinstance(event, Tokens) and event.token_ids:
-            now = time.perf_counter()
-            marks.append(((marks[-1][0] if marks else 0) + len(event.token_ids), now - t0))
-            if t_first is None:
-                t_first, n_first = now, len(event.token_ids)
+            count += len(event.token_ids)
+            marks.append((count, time.perf_counter() - t0))
         elif isinstance(event, Done):
             done = event
-    t_end = time.perf_counter()
-    t_first = t_first or t_end
-    n = len(done.token_ids)
-    rest = n - n_first
+    seconds = time.perf_counter() - t0
+    n_first, ttft = marks[0] if marks else (0, seconds)
+    rest = len(done.token_ids) - n_first
     s = done.stats
     return Sample(
-        list(done.token_ids), t_end - t0, t_first - t0, rest / (t_end - t_first) if rest > 0 else 0.0,
+        list(done.token_ids), seconds, ttft, rest / (seconds - ttft) if rest > 0 else 0.0,
         s.mean_accepted, cached_tokens=s.cached_tokens,
         extra={"rounds": s.rounds, "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
                "acceptance_rate": round(s.acceptance_rate, 4), "engine_ttft_s": round(s.ttft_s, 4),
